@@ -28,8 +28,9 @@
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
 #include "layers/activation.hpp"
+#include "layers/dlrm.hpp"  // dlrm_dot_interaction
 #include "partition/cost_model.hpp"
-#include "run/dlrm_run.hpp"  // require_command_builds
+#include "run/dlrm_read_timing.hpp"
 
 namespace meshtrain {
 namespace {
@@ -192,6 +193,46 @@ std::map<std::string, double> measure_elementwise_rates(const ShardingPlan& plan
     rates.erase("copy");
     rates[name + "_backward"] = elements / std::max(both - copy, 0.1 * both);
   }
+  return rates;
+}
+
+// A DLRM's dot interaction (layers/dlrm.hpp) at the config's shape and this rank's rows:
+// dlrm_dot_forward and dlrm_dot_backward in multiply-adds per second (rows x pairs x d; twice
+// that backward), every rank at once, the slowest rank's median of 5 timings of about 20 ms.
+std::map<std::string, double> measure_dlrm_dot_rates(const DlrmShape& shape, int64_t rows) {
+  std::map<std::string, double> rates;
+  if (shape.interaction != DlrmInteraction::dot || rows <= 0) return rates;
+  const int64_t d = shape.bottom.back();
+  const auto blocks = static_cast<int64_t>(shape.tables.size()) + 1;
+  const int64_t pairs = blocks * (blocks - 1) / 2;
+  Matrix features("meshtrain::calibrate_dlrm_features", rows, blocks * d);
+  Matrix out("meshtrain::calibrate_dlrm_out", rows, d + pairs);
+  Matrix grads("meshtrain::calibrate_dlrm_grads", rows, blocks * d);
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::calibrate_dlrm_fill"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>({0, 0}, {rows, blocks * d}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        features(i, j) = 0.01f * static_cast<float>((i * 131 + j * 7) % 401 - 200);
+      });
+  Kokkos::deep_copy(out, 0.5f);
+  const double multiply_adds = static_cast<double>(rows * pairs * d);
+  auto measure = [&](const std::string& kernel, double elements, auto&& once) {
+    int calls = 1;  // as measure_elementwise_rates: about 20 ms a timing, rank 0's count
+    auto run = [&] {
+      for (int k = 0; k < calls; ++k) once();
+      Kokkos::fence();
+    };
+    const double first = timed(1, run, Until::all_ends);
+    calls = static_cast<int>(std::clamp(0.02 / std::max(first, 1e-9), 1.0, 1000.0));
+    check_mpi(MPI_Bcast(&calls, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+    rates[kernel] = calls * elements / slowest_timed(5, run, Until::all_ends);
+  };
+  // The forward writes `out`; the backward reads it as the gradient (values near 0.5) and
+  // writes `grads` whole, so every call is the same work.
+  measure("dlrm_dot_backward", 2.0 * multiply_adds,
+          [&] { dlrm_dot_interaction_backward(features, out, grads, d, blocks); });
+  measure("dlrm_dot_forward", multiply_adds,
+          [&] { dlrm_dot_interaction(features, out, d, blocks); });
   return rates;
 }
 
@@ -458,6 +499,65 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
   return m;
 }
 
+// A DLRM config's data read (run/dlrm_read_timing.hpp) on its own training file at this
+// rank's rows of a batch: every rank measures at once (as the step's ranks read), the slowest
+// rank's time of each part is kept (the step's ids' agreement waits for it).
+void measure_data_read(const RunConfig& config, int64_t rows, int world, HardwareProfile& profile,
+                       std::ostringstream& measured) {
+  if (rows <= 0) rows = std::max<int64_t>(config.data.batch_size / std::max(world, 1), 1);
+  DlrmReadTiming t;
+  if (auto error = run_agreed(
+          MPI_COMM_WORLD, [&] { t = measure_dlrm_read(config, rows, MPI_COMM_WORLD, 20, &now); })) {
+    throw *error;
+  }
+  std::vector<double> times = {t.dense_s, t.sparse_s};
+  times.insert(times.end(), t.table_s.begin(), t.table_s.end());
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, times.data(), static_cast<int>(times.size()), MPI_DOUBLE,
+                          MPI_MAX, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+  // How far the slowest rank's dense read of a batch runs past the ranks' mean (every rank reads
+  // at once, as in the step, where the first collective after the read waits for the slowest):
+  // the mean over the batches. Recorded, not charged (docs/recsys.md, the share's section).
+  std::vector<double> slowest = t.dense_batches, sum = t.dense_batches;
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, slowest.data(), static_cast<int>(slowest.size()),
+                          MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, sum.data(), static_cast<int>(sum.size()), MPI_DOUBLE,
+                          MPI_SUM, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+  double spread = 0.0;
+  for (size_t b = 0; b < slowest.size(); ++b) {
+    spread += (slowest[b] - sum[b] / world) / static_cast<double>(slowest.size());
+  }
+  t.dense_s = times[0];
+  t.sparse_s = times[1];
+  std::copy(times.begin() + 2, times.end(), t.table_s.begin());
+  derive_dlrm_read_figures(t);
+  profile.hdf5_row_seconds = t.hdf5_row_seconds;
+  profile.sparse_row_seconds = t.sparse_row_seconds;
+  profile.sparse_id_seconds = t.sparse_id_seconds;
+  double fewest = t.table_ids.front(), most = fewest;
+  for (const double ids : t.table_ids) {
+    fewest = std::min(fewest, ids);
+    most = std::max(most, ids);
+  }
+  char line[1024];
+  std::snprintf(line, sizeof line,
+                "data_read = \"%s: %lld rows a batch (random, in file order), %d batches, "
+                "slowest rank's medians: dense rows %.4g s, sparse reader %.4g s (%lld tables, "
+                "%.0f ids), each table alone %.4g to %.4g s (%.0f to %.0f ids)\"\n",
+                t.file.c_str(), static_cast<long long>(t.rows), t.batches, t.dense_s, t.sparse_s,
+                static_cast<long long>(t.tables), t.ids_per_batch,
+                *std::min_element(t.table_s.begin(), t.table_s.end()),
+                *std::max_element(t.table_s.begin(), t.table_s.end()), fewest, most);
+  measured << line;
+  std::snprintf(line, sizeof line,
+                "data_read_spread = %.4g  # s the slowest rank's dense read of a batch ran past "
+                "the ranks' mean (mean over the batches; not charged)\n",
+                spread);
+  measured << line;
+}
+
 std::string host_name() {
   char name[256] = {};
   gethostname(name, sizeof name - 1);
@@ -489,12 +589,13 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   CommThreadChoice thread_choice = CommThreadChoice::off;
   bool overlap = false;
   std::optional<ModelSection> model;
+  std::optional<RunConfig> dlrm;  // CONFIG when kind = "dlrm" (its data read is measured)
   if (auto error = run_agreed(MPI_COMM_WORLD, [&] {
         if (config_path.empty()) {
           mesh = Mesh::create({{"dp", -1}}, world, "calibrate (dp = the world)");
         } else {
           const RunConfig config = load_config(config_path, overrides);
-          require_command_builds(config.model, "meshtrain calibrate");
+          if (config.model.kind == ModelKind::dlrm) dlrm = config;
           mesh = config.mesh.resolve(world);
           plan = make_plan(model_parameter_shapes(config.model), *mesh, partition_rules(config),
                            plan_options(config), model_linear_layers(config.model));
@@ -523,8 +624,15 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   profile.gemm_flops = measure_gemm_flops();
   if (plan) profile.gemm_rates = measure_gemm_rates(step_gemm_shapes(*plan));
   if (plan) profile.elementwise_rates = measure_elementwise_rates(*plan, *model);
+  if (plan && dlrm) {
+    for (const auto& [kernel, rate] :
+         measure_dlrm_dot_rates(dlrm->model.dlrm(), plan->local_batch_rows)) {
+      profile.elementwise_rates[kernel] = rate;
+    }
+  }
   profile.memory_bandwidth = measure_memory_bandwidth();
   std::ostringstream measured;
+  if (dlrm) measure_data_read(*dlrm, plan ? plan->local_batch_rows : 0, world, profile, measured);
   measured
       << "clock = \"" << clock << "\"\nranks = " << world << "\nmesh = \""
       << mesh->short_description() << "\"\nhost = \"" << host_name() << "\"\n"

@@ -83,6 +83,15 @@ void dot_interaction_backward(MatrixView features, MatrixView g, MatrixView grad
 
 }  // namespace
 
+void dlrm_dot_interaction(MatrixView features, MatrixView out, int64_t d, int64_t blocks) {
+  dot_interaction(features, out, d, blocks);
+}
+
+void dlrm_dot_interaction_backward(MatrixView features, MatrixView g, MatrixView grads, int64_t d,
+                                   int64_t blocks) {
+  dot_interaction_backward(features, g, grads, d, blocks);
+}
+
 Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec_of,
            ParallelContext& context, int64_t local_rows, int64_t max_ids,
            TableGradients table_gradients)

@@ -81,6 +81,15 @@ namespace meshtrain {
 //           sparse, and none of the interaction's gradient buffers; backward() refuses.
 enum class TableGradients { dense, sparse, none };
 
+// The dot interaction's kernels as Dlrm::interact and interact_backward run them (features
+// [rows, blocks * d]: z then each table's pooled rows; out [rows, d + blocks (blocks - 1) / 2];
+// g its gradient, grads the features' gradient), for `meshtrain calibrate` to time at a
+// config's shape (the cost model's "dlrm_dot_forward" and "dlrm_dot_backward" rates: rows x
+// pairs x d multiply-adds, forward; twice that, backward).
+void dlrm_dot_interaction(MatrixView features, MatrixView out, int64_t d, int64_t blocks);
+void dlrm_dot_interaction_backward(MatrixView features, MatrixView g, MatrixView grads, int64_t d,
+                                   int64_t blocks);
+
 class Dlrm {
  public:
   // Checks the shape (check_dlrm_shape) and the specs, allocates every parameter and buffer.

@@ -934,9 +934,14 @@ double data_read_seconds(const DataRead& read, const HardwareProfile& hw) {
   const double rows = static_cast<double>(read.rows);
   const double bytes = rows * static_cast<double>(read.row_bytes);
   if (read.tables > 0) {
-    const double elements =
-        rows * (2.0 * static_cast<double>(read.tables) + static_cast<double>(read.ids_per_row));
-    return rows * kHdf5RowSeconds + (64.0 * elements + 2.0 * bytes) / hw.memory_bandwidth;
+    const double row_tables = rows * static_cast<double>(read.tables);
+    const double ids = rows * static_cast<double>(read.ids_per_row);
+    // Not measured (sparse_row_seconds 0): a 64-byte line per offset and id.
+    const bool measured = hw.sparse_row_seconds > 0.0;
+    const double per_row_table = measured ? hw.sparse_row_seconds : 128.0 / hw.memory_bandwidth;
+    const double per_id = measured ? hw.sparse_id_seconds : 64.0 / hw.memory_bandwidth;
+    return rows * hw.hdf5_row_seconds + row_tables * per_row_table + ids * per_id +
+           2.0 * bytes / hw.memory_bandwidth;
   }
   switch (read.pattern) {
     case ReadPattern::memory:
@@ -958,11 +963,19 @@ double data_read_seconds(const DataRead& read, const HardwareProfile& hw) {
   return 0.0;
 }
 
+double data_agree_seconds(const DataRead& read, const HardwareProfile& hw) {
+  if (read.tables <= 0 || read.agree_ranks <= 1) return 0.0;
+  return collective_seconds(CollectiveKind::all_reduce, 5.0 * 8.0, read.agree_ranks,
+                            hw.group_link(read.agree_axes));
+}
+
 void add_data_read(StepCost& cost, const DataRead& read, const HardwareProfile& hw) {
-  cost.data_read_s = data_read_seconds(read, hw);
+  const double read_s = data_read_seconds(read, hw);
+  const double agree_s = data_agree_seconds(read, hw);
+  cost.data_read_s = read_s + agree_s;
+  cost.data_agree_s = agree_s;
   const double rest = cost.total_s;
-  cost.data_exposed_s =
-      read.prefetch > 0 ? std::max(0.0, cost.data_read_s - rest) : cost.data_read_s;
+  cost.data_exposed_s = (read.prefetch > 0 ? std::max(0.0, read_s - rest) : read_s) + agree_s;
   cost.total_s += cost.data_exposed_s;
   cost.serial_s += cost.data_exposed_s;
   cost.full_overlap_s += cost.data_exposed_s;

@@ -227,6 +227,7 @@ struct StepCost {
   // Reading the step's batches (add_data_read): all of it, and the part a reader thread
   // running ahead of the step does not hide (included in total_s).
   double data_read_s = 0.0, data_exposed_s = 0.0;
+  double data_agree_s = 0.0;  // of both: a DLRM's agreement on the ids' checks
 };
 
 // How one rank reads the batches of a step (what `meshtrain plan` knows from [data]).
@@ -246,26 +247,33 @@ struct DataRead {
   // A DLRM's reads (run/dlrm_run.cpp; 0: not a DLRM): its tables, and the ids of one row over
   // all of them. Its files stay in memory once read (the sparse reader holds its tables whole,
   // the dense source keeps its chunks in HDF5's cache), so a step's read is HDF5's work per dense
-  // row (kHdf5RowSeconds) and, per table, gathers of each row's two offsets and its ids (a cache
-  // line each at memory bandwidth), not the storage's.
+  // row (HardwareProfile::hdf5_row_seconds) and the sparse reader's per row and table and per id
+  // (sparse_row_seconds, sparse_id_seconds; not measured: a cache line per offset and id at
+  // memory bandwidth), not the storage's.
   int64_t tables = 0;
   int64_t ids_per_row = 0;
+  // The ranks whose readers agree on the ids' checks (SparseHdf5Reader::agree: one all-reduce
+  // of 5 int64 on the main thread every step, read ahead or not) and the mesh axes they span
+  // (its link); 1 or fewer: no agreement charged.
+  int agree_ranks = 0;
+  std::vector<std::string> agree_axes;
 };
-// HDF5's time per row of a read of random rows from cached chunks: an estimate, not a fit (the
-// traced `data read` of a np 2 DLRM step read in the step, data.prefetch = 0: 21 ms for 256 rows
-// at load average 16 on 2 cores, the sparse part then memory gathers; docs/recsys.md, "Where a
-// np 2 step goes"), to be measured by calibrate.
-constexpr double kHdf5RowSeconds = 10e-6;
 
 // Seconds one rank spends reading a step's rows: memory bandwidth for in-memory rows; for
 // files, a sequential run costs one latency plus its bytes at storage_read_bandwidth, a
 // random row one latency plus a 4 KiB page, and blocks the whole global batch's bytes
 // (every rank's rows are spread over the same window, whose pages the OS reads ahead) plus
-// one latency per block started. A DLRM's (read.tables > 0): its rows at kHdf5RowSeconds, its
-// offsets and ids a cache line each and its rows' bytes at memory bandwidth.
+// one latency per block started. A DLRM's (read.tables > 0): rows * hdf5_row_seconds + rows *
+// tables * sparse_row_seconds + rows * ids_per_row * sparse_id_seconds (unmeasured sparse
+// figures: 128 and 64 bytes at memory bandwidth) + its rows' bytes twice at memory bandwidth
+// (the copy into the batch views). Not the agreement (data_agree_seconds).
 double data_read_seconds(const DataRead& read, const HardwareProfile& hardware);
+// The ids' agreement of a DLRM's read: one all-reduce of 40 bytes over read.agree_ranks on the
+// link of read.agree_axes (0 for one rank or not a DLRM).
+double data_agree_seconds(const DataRead& read, const HardwareProfile& hardware);
 // Adds the step's data read to `cost`: with prefetch the reader thread hides it up to the
-// rest of the step (exposed: what exceeds it), without it is all exposed.
+// rest of the step (exposed: what exceeds it), without it is all exposed; a DLRM's agreement
+// runs in the step either way (data_read_s and data_exposed_s include it).
 void add_data_read(StepCost& cost, const DataRead& read, const HardwareProfile& hardware);
 
 // Every GEMM shape predict_step costs for `plan` (each collective matmul's under every

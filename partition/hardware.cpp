@@ -123,6 +123,8 @@ const std::vector<std::string>& elementwise_kernel_names() {
       all.push_back(std::string(f) + "_forward");
       all.push_back(std::string(f) + "_backward");
     }
+    all.push_back("dlrm_dot_forward");  // a DLRM's dot interaction (layers/dlrm.hpp)
+    all.push_back("dlrm_dot_backward");
     return all;
   }();
   return names;
@@ -149,6 +151,9 @@ void check_hardware_profile(const HardwareProfile& p) {
   check_value(p, "overlap", p.overlap, true);
   check_value(p, "storage_read_bandwidth", p.storage_read_bandwidth, false);
   check_value(p, "storage_read_latency", p.storage_read_latency, true);
+  check_value(p, "hdf5_row_seconds", p.hdf5_row_seconds, false);
+  check_value(p, "sparse_row_seconds", p.sparse_row_seconds, true);
+  check_value(p, "sparse_id_seconds", p.sparse_id_seconds, true);
   if (p.overlap > 1.0) {
     MESHTRAIN_BAD_INPUT(p.source, ": overlap = ", p.overlap, " must be between 0 and 1");
   }

@@ -42,6 +42,17 @@
 //     ring_reduce_scatter_from, ring_all_reduce_from  bytes per rank from which the ring
 //                      measured faster than the library (+inf: never); what reductions =
 //                      "auto" picks by. Meaningful only where the ring was measured.
+//   hdf5_row_seconds   s one rank spends per row of a batch of random rows read from an HDF5
+//                      file whose chunks are cached (a DLRM's dense features and label:
+//                      RowSource::read's hyperslab union and H5Dread, the scatter into batch
+//                      order). calibrate CONFIG measures it on the config's data.path; else
+//                      kHdf5RowSeconds (an estimate).
+//   sparse_row_seconds, sparse_id_seconds  s the sparse reader (SparseHdf5Reader::read_unagreed,
+//                      tables held in memory) spends per row and table (its two offsets
+//                      gathered and checked, its bag copied back in batch order) and per id
+//                      (gathered and checked). calibrate CONFIG measures them on the config's
+//                      data.path; sparse_row_seconds 0: not measured, both charged as
+//                      cache lines at memory_bandwidth (128 bytes a row and table, 64 an id).
 //   overlap            0..1, how much of a transfer started before a GEMM and waited for
 //                      after it is hidden under the GEMM: two parts a and c run together
 //                      take a + c - overlap * min(a, c) (1: max(a, c); 0: a + c). MPI on
@@ -92,6 +103,12 @@ struct LinkProfile {
   }
 };
 
+// HDF5's time per row of a read of random rows from cached chunks, for a profile that does not
+// say (hdf5_row_seconds): an estimate (the traced `data read` of a np 2 DLRM step read in the
+// step, data.prefetch = 0: 21 ms for 256 rows at load average 16 on 2 cores, the sparse part
+// then memory gathers; docs/recsys.md, "Where a np 2 step goes"). calibrate CONFIG measures it.
+constexpr double kHdf5RowSeconds = 10e-6;
+
 struct HardwareProfile {
   double gemm_flops = 0.0;                          // FLOP/s per rank
   std::vector<GemmRate> gemm_rates;                 // measured shapes, any order
@@ -103,6 +120,11 @@ struct HardwareProfile {
   // (set them from fio or dd).
   double storage_read_bandwidth = 2e9;
   double storage_read_latency = 100e-6;
+  // A DLRM's data read (see above): per dense row, per row and table, per id; the sparse
+  // ones 0 when not measured.
+  double hdf5_row_seconds = kHdf5RowSeconds;
+  double sparse_row_seconds = 0.0;
+  double sparse_id_seconds = 0.0;
   std::map<std::string, LinkProfile> links;  // one per axis of hardware_axes()
   std::string source;  // "defaults" or the file it was read from (for the plan's header)
 
@@ -119,7 +141,9 @@ struct HardwareProfile {
 
 // The elementwise kernels a profile may hold a rate for: "<activation>_forward" and
 // "<activation>_backward" for relu, tanh, gelu, gelu_erf, silu and sigmoid (layers/
-// activation.hpp), and swiglu_forward, swiglu_backward.
+// activation.hpp), swiglu_forward, swiglu_backward, and a DLRM's dot interaction,
+// dlrm_dot_forward and dlrm_dot_backward (layers/dlrm.hpp; their elements are multiply-adds,
+// rows x pairs x d forward, twice that backward).
 const std::vector<std::string>& elementwise_kernel_names();
 
 // The reduce-scatter and all-reduce rates (reduce_scatter_bandwidth, all_reduce_bandwidth) of

@@ -56,3 +56,18 @@ meshtrain_add_command_test(NAME recsys_dlrm_trace TIMEOUT 240
           ${CMAKE_CURRENT_BINARY_DIR}/recsys_dlrm_trace
           -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS} $<TARGET_FILE:meshtrain>)
 set_tests_properties(recsys_dlrm_trace PROPERTIES PROCESSORS 2)
+
+# `meshtrain calibrate CONFIG` of a DLRM (docs/cost_model.md, "The hardware profile"): the data
+# read measured on the config's own file (hdf5_row_seconds, sparse_row_seconds,
+# sparse_id_seconds and a [measured] line), read back by `meshtrain plan --hardware`, whose data
+# read is those figures (tests/recsys/check_dlrm_calibrate.py). np 1, 2 and 4: about 2, 3 and
+# 7 s on a quiet machine (calibrate's link measurements; 4, 12 and 24 s at load average 7).
+foreach(np 1 2 4)
+  meshtrain_add_command_test(NAME recsys_dlrm_calibrate_np${np} TIMEOUT 120
+    COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/recsys/check_dlrm_calibrate.py
+            ${PROJECT_SOURCE_DIR}/scripts/make_recsys_data
+            ${CMAKE_CURRENT_SOURCE_DIR}/recsys/dlrm_small.toml
+            ${CMAKE_CURRENT_BINARY_DIR}/recsys_dlrm_calibrate_np${np} ${np}
+            -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS} $<TARGET_FILE:meshtrain>)
+  set_tests_properties(recsys_dlrm_calibrate_np${np} PROPERTIES PROCESSORS 2)
+endforeach()

@@ -44,8 +44,9 @@ void reject_unknown(const toml::table& table, std::initializer_list<const char*>
     if (!ok) {
       MESHTRAIN_BAD_INPUT(
           at(source, &node), ": unknown hardware profile key ", prefix, std::string(key.str()),
-          " (keys: gemm_flops, memory_bandwidth, overlap, [[gemm]] shape, transpose, flops, ",
-          "[links.<axis>] ",
+          " (keys: gemm_flops, memory_bandwidth, overlap, storage_read_bandwidth, ",
+          "storage_read_latency, hdf5_row_seconds, sparse_row_seconds, sparse_id_seconds, ",
+          "[[gemm]] shape, transpose, flops, ", "[links.<axis>] ",
           "bandwidth, latency, collective_overhead, collective_bandwidth, "
           "reduce_scatter_bandwidth, ",
           "all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth, ",
@@ -109,7 +110,8 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
   }
   reject_unknown(root,
                  {"gemm_flops", "memory_bandwidth", "overlap", "storage_read_bandwidth",
-                  "storage_read_latency", "links", "gemm", "elementwise", "measured"},
+                  "storage_read_latency", "hdf5_row_seconds", "sparse_row_seconds",
+                  "sparse_id_seconds", "links", "gemm", "elementwise", "measured"},
                  "", source);
   HardwareProfile p;
   p.source = source;
@@ -122,6 +124,13 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
                                     source, false, defaults.storage_read_bandwidth);
   p.storage_read_latency = number(root, "storage_read_latency", "storage_read_latency", source,
                                   false, defaults.storage_read_latency);
+  // Profiles written before calibrate measured a DLRM's data read lack these: the estimate
+  // kHdf5RowSeconds and the sparse reader's work at memory bandwidth (0: not measured).
+  p.hdf5_row_seconds = number(root, "hdf5_row_seconds", "hdf5_row_seconds", source, false,
+                              defaults.hdf5_row_seconds);
+  p.sparse_row_seconds =
+      number(root, "sparse_row_seconds", "sparse_row_seconds", source, false, 0.0);
+  p.sparse_id_seconds = number(root, "sparse_id_seconds", "sparse_id_seconds", source, false, 0.0);
   if (const toml::node* gemm_node = root.get("gemm")) {
     const toml::array* entries = gemm_node->as_array();
     if (!entries || !entries->is_array_of_tables()) {
@@ -232,7 +241,15 @@ std::string hardware_profile_to_toml(const HardwareProfile& p, const std::string
       << "storage_read_bandwidth = " << number_text(p.storage_read_bandwidth)
       << "  # B/s per rank reading data files sequentially (not measured: set from fio or dd)\n"
       << "storage_read_latency = " << number_text(p.storage_read_latency)
-      << "  # s per random read of a data file (not measured)\n";
+      << "  # s per random read of a data file (not measured)\n"
+      << "hdf5_row_seconds = " << number_text(p.hdf5_row_seconds)
+      << "  # s per row of random rows from an HDF5 file's cached chunks (a DLRM's dense read)\n";
+  if (p.sparse_row_seconds > 0.0) {
+    out << "sparse_row_seconds = " << number_text(p.sparse_row_seconds)
+        << "  # s the sparse reader spends per row and table (offsets, checks, copy)\n"
+        << "sparse_id_seconds = " << number_text(p.sparse_id_seconds)
+        << "  # s the sparse reader spends per id\n";
+  }
   for (const auto& axis : hardware_axes()) {
     const LinkProfile& l = p.link(axis);
     out << "\n[links." << axis << "]\n"

@@ -5,6 +5,12 @@
 //   gemm_flops = 9.1e10          # FLOP/s per rank
 //   memory_bandwidth = 6.2e9     # B/s per rank, bytes read + written
 //   overlap = 0.1                # 0..1, transfer hidden under a GEMM (optional: 0)
+//   storage_read_bandwidth = 2e9 # B/s reading data files (optional: 2e9; not measured)
+//   storage_read_latency = 1e-4  # s per random read (optional: 1e-4; not measured)
+//   hdf5_row_seconds = 8e-6      # s per random row from an HDF5 file's cached chunks
+//                                # (optional: kHdf5RowSeconds; calibrate CONFIG of a DLRM)
+//   sparse_row_seconds = 2e-7    # s of the sparse reader per row and table, and per id
+//   sparse_id_seconds = 5e-8     # (optional: 0, i.e. at memory_bandwidth; calibrate CONFIG)
 //   [links.tp]                   # one table per mesh axis: dp, fsdp, ep, tp, sp
 //   bandwidth = 4.1e9            # B/s point to point
 //   latency = 1.9e-6             # s
@@ -30,9 +36,8 @@
 //                                # silu_backward, swiglu_forward, ...)
 //   [measured]                   # optional, free-form: how it was measured (not read back)
 //
-// Every key is required except overlap, [[gemm]], [elementwise], collective_overhead,
-// collective_bandwidth,
-// reduce_scatter_bandwidth,
+// Every key is required except overlap, storage_*, hdf5_row_seconds, sparse_*, [[gemm]],
+// [elementwise], collective_overhead, collective_bandwidth, reduce_scatter_bandwidth,
 // all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth and [measured]; unknown keys
 // are rejected. Kokkos-free (compiled by the host compiler alone in CUDA builds).
 

@@ -375,6 +375,7 @@ nlohmann::ordered_json cost_json(const StepCost& cost, const HardwareProfile& hw
           {"full_overlap_s", cost.full_overlap_s},
           {"data_read_s", cost.data_read_s},
           {"data_exposed_s", cost.data_exposed_s},
+          {"data_agree_s", cost.data_agree_s},
           {"items", items},
           {"collective_matmuls", matmuls}};
 }
@@ -989,6 +990,56 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
   }
 }
 
+// A DLRM's interaction (layers/dlrm.cpp, Dlrm::interact and interact_backward) on `rows` local
+// rows, layer "interaction": forward the features placed side by side (W = d + the tables' dims
+// floats a row, read and written) and, for dot, the pairwise products (rows x pairs x d
+// multiply-adds at the profile's "dlrm_dot_forward" rate; not measured: 2 flops each at
+// gemm_flops, which a scalar loop does not reach) or, for cat, the copy into the top's input;
+// backward the products' gradient (twice the multiply-adds, "dlrm_dot_backward") or cat's copy,
+// then every block's gradient copied out of the features' gradient (W a row).
+void add_dlrm_interaction(const DlrmShape& shape, int64_t rows, const HardwareProfile& hw,
+                          StepCost& cost) {
+  const auto add = [&](const char* phase, const std::string& what, double seconds) {
+    cost.items.push_back({"interaction", phase, "memory", what, "", seconds});
+    cost.memory_s += seconds;
+    cost.total_s += seconds;
+    cost.serial_s += seconds;
+    cost.full_overlap_s += seconds;
+  };
+  int64_t width = shape.bottom.back();
+  for (const DlrmTable& t : shape.tables) width += t.dim;
+  const double r = static_cast<double>(rows);
+  const double copy = 2.0 * r * static_cast<double>(width) * 4.0 / hw.memory_bandwidth;
+  add("forward", "place features [" + std::to_string(rows) + " x " + std::to_string(width) + "]",
+      copy);
+  const auto rate = [&](const char* kernel) {
+    const auto it = hw.elementwise_rates.find(kernel);
+    return it == hw.elementwise_rates.end() ? 0.0 : it->second;
+  };
+  if (shape.interaction == DlrmInteraction::dot) {
+    const int64_t d = shape.bottom.back();
+    const auto blocks = static_cast<int64_t>(shape.tables.size()) + 1;
+    const int64_t pairs = blocks * (blocks - 1) / 2;
+    const double mads = r * static_cast<double>(pairs * d);
+    const std::string shape_text = " [" + std::to_string(rows) + " x " + std::to_string(pairs) +
+                                   " pairs x " + std::to_string(d) + "]";
+    const double forward = rate("dlrm_dot_forward");
+    const double backward = rate("dlrm_dot_backward");
+    add("forward",
+        "dot interaction" + shape_text +
+            (forward > 0 ? " (dlrm_dot_forward at its measured rate)" : " (at gemm_flops)"),
+        forward > 0 ? mads / forward : 2.0 * mads / hw.gemm_flops);
+    add("backward",
+        "dot interaction gradient" + shape_text +
+            (backward > 0 ? " (dlrm_dot_backward at its measured rate)" : " (at gemm_flops)"),
+        backward > 0 ? 2.0 * mads / backward : 4.0 * mads / hw.gemm_flops);
+  } else {
+    add("forward", "cat: copy into the top's input", copy);
+    add("backward", "cat: copy out of the top's input gradient", copy);
+  }
+  add("backward", "take each block's gradient", copy);
+}
+
 // A DLRM's tables in the plan's totals: the planner counts every parameter as a dense one (a
 // gradient like it and options.optimizer_slots like it); with sparse updates a table has no
 // gradient and its own state (table_plans). The difference on the most loaded rank replaces
@@ -1040,7 +1091,16 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
     cost = predict_step(plan, options, hw, config.partition.collective_matmul);
     add_table_collectives(table_plans(config, plan, options), mesh, hw, plan.local_batch_rows,
                           options.sparse_tables, options.table_bytes_per_element, *cost);
-    add_data_read(*cost, data.read, hw);
+    if (config.model.kind == ModelKind::dlrm) {
+      add_dlrm_interaction(config.model.dlrm(), plan.local_batch_rows, hw, *cost);
+    }
+    // A DLRM's readers agree on the ids' checks over the run's communicator (the world).
+    DataRead read = data.read;
+    if (read.tables > 0) {
+      read.agree_ranks = mesh.world_size();
+      read.agree_axes = mesh.active_axes();
+    }
+    add_data_read(*cost, read, hw);
   }
   return {std::move(rules), std::move(options), std::move(shapes), std::move(layers),
           std::move(plan),  std::move(memory),  std::move(cost)};

@@ -19,6 +19,9 @@ HardwareProfile measured_profile() {
   p.overlap = 0.125;
   p.storage_read_bandwidth = 3.5e8;
   p.storage_read_latency = 2.5e-3;
+  p.hdf5_row_seconds = 1.25e-5;  // calibrate CONFIG's of a DLRM's data read
+  p.sparse_row_seconds = 7.5e-8;
+  p.sparse_id_seconds = 2.5e-8;
   p.links["fsdp"] =
       LinkProfile{3.75e7, 2.5e-4, 3.5e7, 1.9e7, 2.1e7, 1.2e7, 1.7e7};  // a 300 Mbit/s link
   p.links["tp"] = LinkProfile{4.1e9, 1.9e-6, 2.2e9, 1.5e9, 1.25e9, 6.5e8, 9e8};
@@ -39,6 +42,9 @@ TEST(HardwareFile, RoundTrips) {
   EXPECT_DOUBLE_EQ(back.overlap, p.overlap);
   EXPECT_DOUBLE_EQ(back.storage_read_bandwidth, p.storage_read_bandwidth);
   EXPECT_DOUBLE_EQ(back.storage_read_latency, p.storage_read_latency);
+  EXPECT_DOUBLE_EQ(back.hdf5_row_seconds, p.hdf5_row_seconds);
+  EXPECT_DOUBLE_EQ(back.sparse_row_seconds, p.sparse_row_seconds);
+  EXPECT_DOUBLE_EQ(back.sparse_id_seconds, p.sparse_id_seconds);
   for (const auto& axis : hardware_axes()) {
     EXPECT_DOUBLE_EQ(back.link(axis).bandwidth, p.link(axis).bandwidth) << axis;
     EXPECT_DOUBLE_EQ(back.link(axis).latency, p.link(axis).latency) << axis;
@@ -88,6 +94,15 @@ TEST(HardwareFile, CollectiveBandwidthDefaultsToBandwidth) {
   // ... and no storage: the defaults' local SSD.
   EXPECT_DOUBLE_EQ(p.storage_read_bandwidth, default_hardware_profile().storage_read_bandwidth);
   EXPECT_DOUBLE_EQ(p.storage_read_latency, default_hardware_profile().storage_read_latency);
+  // ... and no data-read figures: the estimate kHdf5RowSeconds per dense row, the sparse reader
+  // not measured (0: at memory bandwidth), as before calibrate measured them.
+  EXPECT_DOUBLE_EQ(p.hdf5_row_seconds, kHdf5RowSeconds);
+  EXPECT_DOUBLE_EQ(p.sparse_row_seconds, 0.0);
+  EXPECT_DOUBLE_EQ(p.sparse_id_seconds, 0.0);
+  // Not measured is not written: the file reads back the same.
+  const HardwareProfile back = parse_hardware_profile(hardware_profile_to_toml(p), "hand.toml");
+  EXPECT_DOUBLE_EQ(back.sparse_row_seconds, 0.0);
+  EXPECT_DOUBLE_EQ(back.hdf5_row_seconds, kHdf5RowSeconds);
 }
 
 // The ring's keys (calibrate measures meshtrain's ring against the library): written only
@@ -169,6 +184,16 @@ TEST(HardwareFile, BadFilesNameFileAndKey) {
                   "storage_read_bandwidth");
   expect_rejected(replaced("storage_read_latency = 0.0025", "storage_read_latency = -1"),
                   "storage_read_latency");
+  expect_rejected(replaced("hdf5_row_seconds = 1.25e-05", "hdf5_row_seconds = 0"),
+                  "hdf5_row_seconds");
+  expect_rejected(replaced("hdf5_row_seconds = 1.25e-05", "hdf5_row_seconds = \"slow\""),
+                  "hdf5_row_seconds");
+  expect_rejected(replaced("sparse_row_seconds = 7.5e-08", "sparse_row_seconds = -7.5e-08"),
+                  "sparse_row_seconds");
+  expect_rejected(replaced("sparse_id_seconds = 2.5e-08", "sparse_id_seconds = inf"),
+                  "sparse_id_seconds");
+  expect_rejected(replaced("sparse_id_seconds = 2.5e-08", "sparse_ids_seconds = 2.5e-08"),
+                  "sparse_ids_seconds");
   expect_rejected(replaced("collective_overhead = 0.00125", "collective_overhead = -0.001"),
                   "links.fsdp.collective_overhead");
   expect_rejected(replaced("collective_overhead = 0.00125", "collective_overhead = \"slow\""),

@@ -689,6 +689,65 @@ TEST(CostModel, DlrmDataReadByHand) {
               10 * kHdf5RowSeconds + (64.0 * 10 * (2 * 3 + 4) + 2.0 * 10 * 56) / 1e9, kTolerance);
 }
 
+// The same read with the figures calibrate measures in the profile (hdf5_row_seconds,
+// sparse_row_seconds, sparse_id_seconds): 10 rows at 40 us, 30 rows x tables at 0.3 us, 40 ids
+// at 0.05 us, and the rows' bytes twice at 1e9 B/s (the copy into the batch views). A
+// sparse_id_seconds of 0 with sparse_row_seconds measured is a measured 0 (every table held
+// as many ids), not the memory-bandwidth fallback.
+TEST(CostModel, DlrmDataReadAtMeasuredFigures) {
+  HardwareProfile hw = slow_machine();
+  hw.hdf5_row_seconds = 40e-6;
+  hw.sparse_row_seconds = 0.3e-6;
+  hw.sparse_id_seconds = 0.05e-6;
+  DataRead read;
+  read.pattern = ReadPattern::random_rows;
+  read.rows = 10;
+  read.row_bytes = 56;
+  read.tables = 3;
+  read.ids_per_row = 4;
+  EXPECT_NEAR(data_read_seconds(read, hw),
+              10 * 40e-6 + 30 * 0.3e-6 + 40 * 0.05e-6 + 2.0 * 10 * 56 / 1e9, kTolerance);
+  hw.sparse_id_seconds = 0.0;
+  EXPECT_NEAR(data_read_seconds(read, hw), 10 * 40e-6 + 30 * 0.3e-6 + 2.0 * 10 * 56 / 1e9,
+              kTolerance);
+  // Not a DLRM (tables 0): the figures do not enter.
+  read.tables = 0;
+  read.pattern = ReadPattern::memory;
+  EXPECT_NEAR(data_read_seconds(read, hw), 2.0 * 10 * 56 / 1e9, kTolerance);
+}
+
+// The ids' agreement (SparseHdf5Reader::agree, one all-reduce of 5 int64 on the main thread):
+// charged over the reader's ranks at the link's collective cost, in the step even when a
+// reader thread hides the read; none on one rank.
+TEST(CostModel, DlrmDataReadChargesTheAgreement) {
+  HardwareProfile hw = slow_machine();
+  hw.links["fsdp"].collective_overhead = 5e-3;
+  DataRead read;
+  read.rows = 10;
+  read.row_bytes = 56;
+  read.tables = 3;
+  read.ids_per_row = 4;
+  read.prefetch = 2;
+  read.agree_ranks = 2;
+  read.agree_axes = {"fsdp"};
+  const double agree =
+      collective_seconds(CollectiveKind::all_reduce, 40.0, 2, hw.group_link({"fsdp"}));
+  EXPECT_GE(agree, 5e-3);  // the overhead, above the latency terms
+  EXPECT_NEAR(data_agree_seconds(read, hw), agree, kTolerance);
+  StepCost cost;
+  cost.total_s = 1.0;  // the read (under 1 ms) hides under it; the agreement does not
+  add_data_read(cost, read, hw);
+  EXPECT_NEAR(cost.data_agree_s, agree, kTolerance);
+  EXPECT_NEAR(cost.data_exposed_s, agree, kTolerance);
+  EXPECT_NEAR(cost.data_read_s, data_read_seconds(read, hw) + agree, kTolerance);
+  EXPECT_NEAR(cost.total_s, 1.0 + agree, kTolerance);
+  read.agree_ranks = 1;
+  EXPECT_EQ(data_agree_seconds(read, hw), 0.0);
+  read.agree_ranks = 2;
+  read.tables = 0;  // not a DLRM: no agreement
+  EXPECT_EQ(data_agree_seconds(read, hw), 0.0);
+}
+
 // ---- MoE layers ----------------------------------------------------------------------
 
 // [64, 128, 128, 10], layer 1 an MoE layer (8 experts, top-k), on a mesh of ep = 2 with

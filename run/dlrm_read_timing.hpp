@@ -1,0 +1,56 @@
+#pragma once
+// What `meshtrain calibrate CONFIG` measures of a DLRM's data read (kind = "dlrm"): the step's
+// read in the step (data.prefetch = 0, DlrmRun::read_training_batch) without its MPI, on the
+// config's own training file, opened as DlrmRun opens it (the dense source with a chunk cache
+// that keeps every chunk of x_key and y_key; SparseHdf5Reader holding its tables in memory),
+// for batches of this rank's rows drawn at random and sorted into file order, as a shuffled
+// batch is. Timed separately: RowSource::read (the dense features and labels), and
+// SparseHdf5Reader::read_unagreed with all the config's tables and with each table alone (the
+// per-table times, against each table's ids, give the per-id cost; each timed with the core's
+// cache cleared of it first, as in the step). The figures the cost model
+// takes (HardwareProfile::hdf5_row_seconds, sparse_row_seconds, sparse_id_seconds):
+//   hdf5_row_seconds   = dense time / rows
+//   sparse_id_seconds  = the slope b of a least-squares fit time_t = a + b * ids_t over the
+//                        tables alone (0 when every table holds as many ids, or b < 0)
+//   sparse_row_seconds = (all tables' time - b * their ids) / (rows * tables), at least a
+//                        tenth of the all tables' time / (rows * tables)
+// so that the model gives the measured time of the config's file exactly; the split between
+// rows and ids carries it to files of other bag sizes. Each time the median over `batches`
+// batches after a warm-up that fills the caches. Collective over `comm` (the readers open
+// collectively); every rank measures its own, the caller combines them.
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "framework/train/config.hpp"
+
+namespace meshtrain {
+
+struct DlrmReadTiming {
+  std::string file;
+  int64_t rows = 0;                   // per batch, this rank's
+  int64_t tables = 0;                 // the config's
+  int batches = 0;                    // timed (after the warm-up)
+  double ids_per_batch = 0.0;         // all tables, the mean over the batches timed
+  double dense_s = 0.0;               // RowSource::read of a batch, median
+  std::vector<double> dense_batches;  // RowSource::read of each timed batch, in order
+  double sparse_s = 0.0;              // read_unagreed of a batch, all tables, median
+  std::vector<double> table_s;        // read_unagreed of a batch, each table alone, median
+  std::vector<double> table_ids;      // each table's ids per batch, mean
+  double hdf5_row_seconds = 0.0, sparse_row_seconds = 0.0, sparse_id_seconds = 0.0;
+};
+
+// Measures the read of config.data.path's batches of `rows` rows (the rank's share of
+// data.batch_size) with `clock` (seconds). bad_input naming data.path when it names no file or
+// more than one. Collective over `comm`.
+DlrmReadTiming measure_dlrm_read(const RunConfig& config, int64_t rows, MPI_Comm comm, int batches,
+                                 double (*clock)());
+
+// The profile figures from the per-rank timings (the slowest rank's of each: a step waits
+// for it in the ids' agreement), as measure_dlrm_read documents; fills t's three figures.
+void derive_dlrm_read_figures(DlrmReadTiming& t);
+
+}  // namespace meshtrain
