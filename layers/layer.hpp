@@ -80,7 +80,8 @@ struct LayerScratch {
   Vector stage;
   Vector bias;
   // A weight prefetched from its 16-bit compute copy lands here (as 16 bits; a blocking gather
-  // lands in `grad`'s bytes) and goes into `weight`, widened or as 16 bits; empty without prefetch.
+  // lands in `grad`'s bytes, or dim-0 blocks read as 16 bits in `weight` itself) and goes into
+  // `weight`, widened or as 16 bits; empty without prefetch.
   // `landing_busy` while a prefetch is in flight into it.
   HalfBits weight_16bit;
   bool landing_busy = false;

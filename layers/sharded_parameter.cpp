@@ -178,7 +178,8 @@ LayerScratchNeeds ShardedParameter::scratch_needs() const {
   needs.grad = static_cast<size_t>(gradient_scratch_floats(d1, d2, gathered(), grad_16bit_));
   if (copy_) {
     // Widened into scratch.weight (or put there as 16 bits); a prefetch lands in the 16-bit
-    // landing (a blocking gather in scratch.grad's bytes).
+    // landing (a blocking gather in scratch.grad's bytes, or, dim-0 blocks read as 16 bits, in
+    // scratch.weight itself).
     if (can_prefetch()) needs.weight_16bit = static_cast<size_t>(d1 * d2);
   } else if (can_prefetch()) {
     needs.prefetch = needs.weight;  // (a weight stored whole is never prefetched)
@@ -206,7 +207,8 @@ const uint16_t* ShardedParameter::current_copy() {
 }
 
 namespace {
-// Where a blocking gather of a 16-bit copy lands: the first half of the bytes of scratch.grad,
+// Where a blocking gather of a 16-bit copy lands (but dim-0 blocks read as 16 bits, which land
+// in scratch.weight: compute_matrix_16bit): the first half of the bytes of scratch.grad,
 // the gathered weight gradient's buffer (d1 * d2 floats, twice what the d1 * d2 16-bit elements
 // need), which is free whenever a weight is gathered: forward writes no weight gradient, and
 // backward gathers the weight before it computes the gradient there (the layer before has

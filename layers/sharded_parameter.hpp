@@ -44,7 +44,8 @@
 // it, so no cast pass runs; stored whole it is widened into scratch.weight, gathered (over one
 // group) its 16-bit elements travel as they are, blocking into the bytes of scratch.grad (free
 // until backward computes the gradient there) or prefetched into scratch.weight_16bit, and are
-// widened into scratch.weight (or put there as 16 bits: compute_matrix_16bit, scratch_needs).
+// widened into scratch.weight (or put there as 16 bits: compute_matrix_16bit, scratch_needs; a
+// blocking gather of dim-0 blocks read as 16 bits lands in scratch.weight itself).
 // A copy that is not current (the master was written some other way) is cast from it first.
 // Everything is allocated at construction: nothing in compute(), gradient() or reduce().
 
@@ -104,8 +105,9 @@ class ShardedParameter {
   // With a 16-bit compute copy (has_16bit_copy(): 16-bit storage, a weight gathered over one
   // group or stored whole where gemm() reads 16 bits), for a GEMM that reads 16 bits
   // (gemm_reads_16bit): the compute block [d1, d2] as 16-bit elements, not widened: the copy itself
-  // when not gathered, else the gathered blocks put in place in the bytes of scratch.weight (one
-  // pass writing 2 bytes an element). Valid as compute_matrix()'s.
+  // when not gathered, else the gathered blocks in the bytes of scratch.weight (landed there by a
+  // blocking dim-0 gather; else put in place by one pass writing 2 bytes an element). Valid as
+  // compute_matrix()'s.
   ConstHalfMatrixView compute_matrix_16bit(LayerScratch& scratch);
   bool has_16bit_copy() const { return copy_ != nullptr; }
   // by_dims with exactly one gathering group.

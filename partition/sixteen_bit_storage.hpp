@@ -118,7 +118,8 @@ inline bool writes_16bit_gathered_gradient(const LinearLayout& layout, bool wire
 // Floats of the shared gradient scratch (scratch.grad) a weight's d1 x d2 compute block needs:
 // none stored whole (its gradient is the stored one), d1 d2 gathered, or, written as 16 bits
 // (above), 2 bytes an element (d1 d2 / 2 floats, rounded up; also where a blocking gather of a
-// 16-bit copy lands). ShardedParameter::scratch_needs and the memory plan size it by this.
+// 16-bit copy lands, but dim-0 blocks read as 16 bits, which land in the weight scratch).
+// ShardedParameter::scratch_needs and the memory plan size it by this.
 inline int64_t gradient_scratch_floats(int64_t d1, int64_t d2, bool gathered, bool written_16bit) {
   if (!gathered) return 0;
   return written_16bit ? (d1 * d2 + 1) / 2 : d1 * d2;

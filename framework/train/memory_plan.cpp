@@ -314,7 +314,8 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     if (two_gathers) stage = std::max(stage, std::max(d1 * s2, s1 * d2));
     // 16-bit storage: a weight gathered over one group has a 16-bit compute copy of its stored
     // block (partition/sixteen_bit_storage.hpp, as layers/mlp.cpp), gathered as 16 bits: blocking
-    // into the bytes of the gradient scratch, prefetched (overlap) into the 16-bit landing
+    // into the bytes of the gradient scratch (dim-0 blocks read as 16 bits: into the weight
+    // scratch, which holds them anyway), prefetched (overlap) into the 16-bit landing
     // (layers/sharded_parameter.cpp). A weight stored whole has one where gemm() reads 16 bits
     // (read as it is: no landing); this process's gemm_reads_16bit() answers for the run's, so
     // the plan is the run's when made on the run's machine with its MESHTRAIN_CPU_GEMM
