@@ -432,6 +432,14 @@ TEST(CollectiveMatmul, AllGatherMatmulTo16BitGivesTheFp32ProductsRoundedBits) {
                                    A::naive, ws, Dtype::bf16);
       },
       ErrorKind::runtime, {"all_gather_matmul_to_16bit on", "C must be contiguous"});
+  // A C of the wrong extents: the error names the function called.
+  HalfMatrix short_dw("short_dw", 2, 5 * n);
+  expect_bad_input(
+      [&] {
+        all_gather_matmul_to_16bit(tp, GatherSide::right, 1, transposed(x), plain(dy), short_dw,
+                                   A::naive, ws, Dtype::bf16);
+      },
+      {"all_gather_matmul_to_16bit on", "the output is [2, " + std::to_string(5 * n) + "]"});
 }
 
 TEST(CollectiveMatmul, SixteenBitGatheredOperandNeedsASixteenBitWire) {
