@@ -28,6 +28,7 @@
 
 #include "base/dtype.hpp"
 #include "partition/collective_matmul_algorithm.hpp"
+#include "partition/gathered_product.hpp"
 #include "partition/linear_layout.hpp"
 
 namespace meshtrain {
@@ -50,20 +51,16 @@ inline Dtype weight_gradient_storage(const GradientStorageQuery& q) {
 // Whether a Linear's weight-gradient product writes each element with one GEMM into a dense
 // 16-bit gradient, with no fp32 scratch of the gradient's size (`weight_grad`: the resolved
 // algorithm of its all-gather-matmul, layer_matmul_algorithms; unused where the product is one
-// GEMM). One GEMM: yes. A column-parallel layer gathering its input, dW_t = all_gather(X)ᵀ @ dY_t
-// (row blocks of dW): naive and ring. A split-output row-parallel one, dW = X_cᵀ @ all_gather(dY)
-// (column blocks of dW): naive alone, as one GEMM on the gathered dY laid out dense (ring's
-// column blocks are row-strided, which oneDNN's 16-bit dst serves with an fp32 accumulator of the
-// block). Bidirectional splits K. all_gather_matmul_writes_16bit (framework/comm/
-// collective_matmul_16bit.hpp) says the same of the collective matmul; layers/linear.cpp asks this.
+// GEMM). One GEMM: yes. An all-gather-matmul: as partition/gathered_product.hpp's rule says for
+// its gathered dim (the rule that all_gather_matmul_to_16bit checks too): a column-parallel layer
+// gathering its input, dW_t = all_gather(X)ᵀ @ dY_t, gathers M (row blocks of dW: naive and ring);
+// a split-output row-parallel one, dW = X_cᵀ @ all_gather(dY), gathers N (column blocks of dW:
+// naive alone). layers/linear.cpp asks this.
 inline bool weight_gradient_product_writes_16bit(const LinearLayout& layout,
                                                  CollectiveMatmulAlgorithm weight_grad) {
   if (!layout.runs_collective_matmuls()) return true;
-  if (layout.column_gathers_input()) {
-    return weight_grad == CollectiveMatmulAlgorithm::naive ||
-           weight_grad == CollectiveMatmulAlgorithm::ring;
-  }
-  return weight_grad == CollectiveMatmulAlgorithm::naive;
+  return gathered_product_writes_16bit(
+      layout.column_gathers_input() ? GatheredProductDim::m : GatheredProductDim::n, weight_grad);
 }
 
 // The per-weight part: a plain MLP's dense layer whose weight is not gathered nor replicated over

@@ -9,6 +9,7 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/view_ops.hpp"
+#include "partition/gathered_product.hpp"
 
 namespace meshtrain {
 
@@ -236,11 +237,12 @@ struct GatherPlan {
   }
 };
 
-GatherPlan plan_gather(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
-                       GemmOperand b, MatrixView c, Dtype wire) {
+// `op`: the public function's name, which its errors say.
+GatherPlan plan_gather(const char* op, Communicator& comm, GatherSide side, int gather_dim,
+                       GemmOperand a, GemmOperand b, MatrixView c, Dtype wire) {
   GatherPlan plan;
+  plan.op = op;
   plan.wire = wire;
-  const char* op = plan.op;
   if (gather_dim != 0 && gather_dim != 1) {
     MESHTRAIN_BAD_INPUT(op, ": gather_dim must be 0 or 1, got ", gather_dim);
   }
@@ -376,13 +378,13 @@ void gather_bidirectional(const GatherPlan& plan, const T* mine, Communicator& c
 CollectiveMatmulShape all_gather_matmul_shape(Communicator& comm, GatherSide side, int gather_dim,
                                               GemmOperand a, GemmOperand b, MatrixView c,
                                               Dtype wire) {
-  return plan_gather(comm, side, gather_dim, a, b, c, wire).shape();
+  return plan_gather("all_gather_matmul", comm, side, gather_dim, a, b, c, wire).shape();
 }
 
 void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
                        GemmOperand b, MatrixView c, CollectiveMatmulAlgorithm algorithm,
                        CollectiveMatmulWorkspace& workspace, Dtype wire) {
-  const GatherPlan plan = plan_gather(comm, side, gather_dim, a, b, c, wire);
+  const GatherPlan plan = plan_gather("all_gather_matmul", comm, side, gather_dim, a, b, c, wire);
   const auto run = [&](const auto* mine) {
     switch (resolve_collective_matmul_algorithm(algorithm, plan.shape())) {
       case CollectiveMatmulAlgorithm::ring:
@@ -440,12 +442,10 @@ void gather_unpacked_naive(const GatherPlan& plan, const T* mine, Communicator& 
 bool all_gather_matmul_writes_16bit(GatherSide side, int gather_dim, bool gathered_transposed,
                                     CollectiveMatmulAlgorithm algorithm) {
   const int op_dim = gathered_transposed ? 1 - gather_dim : gather_dim;
-  const bool gathers_k = side == GatherSide::left ? op_dim == 1 : op_dim == 0;
-  if (gathers_k) return false;
-  // Column blocks of C (the gathered operand is op(B)'s N): naive alone (one dense GEMM).
-  if (side == GatherSide::right) return algorithm == CollectiveMatmulAlgorithm::naive;
-  return algorithm == CollectiveMatmulAlgorithm::naive ||
-         algorithm == CollectiveMatmulAlgorithm::ring;
+  GatheredProductDim gathered = GatheredProductDim::k;
+  if (side == GatherSide::left && op_dim == 0) gathered = GatheredProductDim::m;
+  if (side == GatherSide::right && op_dim == 1) gathered = GatheredProductDim::n;
+  return gathered_product_writes_16bit(gathered, algorithm);
 }
 
 void all_gather_matmul_to_16bit(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
@@ -457,9 +457,8 @@ void all_gather_matmul_to_16bit(Communicator& comm, GatherSide side, int gather_
   MESHTRAIN_REQUIRE(c.span_is_contiguous(), "all_gather_matmul_to_16bit on ", comm.description(),
                     ": C must be contiguous");
   // The fp32 plan's checks on C's extents, with a C of no data.
-  GatherPlan plan = plan_gather(comm, side, gather_dim, a, b,
+  GatherPlan plan = plan_gather("all_gather_matmul_to_16bit", comm, side, gather_dim, a, b,
                                 MatrixView(nullptr, c.extent(0), c.extent(1)), wire);
-  plan.op = "all_gather_matmul_to_16bit";
   plan.c16 = c;
   MESHTRAIN_REQUIRE(
       all_gather_matmul_writes_16bit(side, gather_dim, plan.gathered.transpose, algorithm),

@@ -11,9 +11,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "framework/comm/collective_matmul_16bit.hpp"
 #include "tests/support/communicator_cases.hpp"
@@ -432,6 +436,94 @@ TEST(CollectiveMatmul, AllGatherMatmulTo16BitGivesTheFp32ProductsRoundedBits) {
                                    A::naive, ws, Dtype::bf16);
       },
       ErrorKind::runtime, {"all_gather_matmul_to_16bit on", "C must be contiguous"});
+  // A C of the wrong extents: the error names the function called.
+  HalfMatrix short_dw("short_dw", 2, 5 * n);
+  expect_bad_input(
+      [&] {
+        all_gather_matmul_to_16bit(tp, GatherSide::right, 1, transposed(x), plain(dy), short_dw,
+                                   A::naive, ws, Dtype::bf16);
+      },
+      {"all_gather_matmul_to_16bit on", "the output is [2, " + std::to_string(5 * n) + "]"});
+}
+
+// A split-output layer's weight gradient, dW = X_cᵀ @ all_gather(dY) (gathered on the right,
+// naive), with a K of a layer's batch rows (512, an odd 777, 2048): all_gather_matmul_to_16bit runs
+// ONE GEMM with a bf16 dst on the gathered bf16 dY laid out dense, where all_gather_matmul runs one
+// GEMM with an fp32 dst per column block. Not bit for bit: on this build machine's AMX CPU
+// (oneDNN 2.6's bf16 matmul) a bf16-dst GEMM and an fp32-dst GEMM of the same shape already differ
+// once K >= 1536 and N >= 128 (one GEMM each at np 1: 2 of 24576 elements by one bf16 ulp at K 1536
+// to 4096; none at K <= 1280, nor at N = 64): the two kernels sum K in different orders, so
+// per-block 16-bit GEMMs (which this path avoids for their fp32 scratch) would restore the bits
+// only where N stays small. Tolerance, per element, the bound for two fp32 sums of the same K exact
+// products (bf16 x bf16 is exact in fp32) in any two orders: |got - C| <= 1/2 bf16 ulp of
+// max(|got|, |C|) (got's rounding) + 2 (K - 1) 2^-24 sum_k |x_kr dy_kc| (each order's fp32 error
+// is at most (K - 1) 2^-24 times that sum, to first order), C all_gather_matmul's fp32 product.
+// The elements whose bits differ from C rounded (pack_16bit) are counted and printed on rank 0.
+// The input X fp32 (holding bf16 values) or bf16; each rank's dY block is its own.
+TEST(CollectiveMatmul, AllGatherMatmulTo16BitOnTheRightWithALongKStaysWithinTheFp32SumsBound) {
+  MeshCommunicators comms(Mesh::create({{"tp", -1}}, world_size()));
+  Communicator& tp = comms.get({"tp"});
+  const std::size_t n = static_cast<std::size_t>(tp.size());
+  const std::size_t i = static_cast<std::size_t>(tp.rank());
+  const std::size_t in = 96, block = 256 / n;  // dW is [in, 256]
+  CollectiveMatmulWorkspace ws;
+  std::size_t cases = 0;
+  for (std::size_t k : {std::size_t{512}, std::size_t{777}, std::size_t{2048}}) {
+    // The same X_c on every rank, as a layer's; rank r's dY block from seed 43 + k + 100 r.
+    DeviceMatrix x = make_matrix("x", k, in, 41 + k);
+    const auto dy_of = [&](std::size_t r) { return make_matrix("dy", k, block, 43 + k + 100 * r); };
+    DeviceMatrix dy = dy_of(i);
+    const HalfMatrix x16 = round_and_pack(x, Dtype::bf16), dy16 = round_and_pack(dy, Dtype::bf16);
+    DeviceMatrix wide("wide", in, block * n);
+    all_gather_matmul(tp, GatherSide::right, 1, transposed(x), plain(ConstHalfMatrixView(dy16)),
+                      wide, CollectiveMatmulAlgorithm::naive, ws, Dtype::bf16);
+    HalfMatrix want("want", in, block * n), got("got", in, block * n);
+    pack_16bit(wide.data(), want.data(), wide.span(), Dtype::bf16);
+    // sum_k |x_kr| |dy_kc| of every element, from every rank's dY block (its values rounded).
+    const HostMatrix hx = to_host(x), hwide = to_host(wide);
+    std::vector<double> abs_sum(in * block * n, 0.0);
+    for (std::size_t r = 0; r < n; ++r) {
+      DeviceMatrix other = dy_of(r);
+      round_and_pack(other, Dtype::bf16);
+      const HostMatrix hdy = to_host(other);
+      for (std::size_t row = 0; row < in; ++row)
+        for (std::size_t c = 0; c < block; ++c) {
+          double sum = 0.0;
+          for (std::size_t t = 0; t < k; ++t)
+            sum += std::abs(double(hx(t, row))) * std::abs(double(hdy(t, c)));
+          abs_sum[row * block * n + r * block + c] = sum;
+        }
+    }
+    const double reorder = 2.0 * double(k - 1) * std::ldexp(1.0, -24);
+    for (bool x_16bit : {false, true}) {
+      Kokkos::deep_copy(got, uint16_t{0x7777});
+      all_gather_matmul_to_16bit(tp, GatherSide::right, 1, operand(x, x16, x_16bit, true),
+                                 plain(ConstHalfMatrixView(dy16)), got,
+                                 CollectiveMatmulAlgorithm::naive, ws, Dtype::bf16);
+      Kokkos::fence();
+      const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
+      const auto host_want = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), want);
+      std::size_t differing = 0;
+      for (std::size_t r = 0; r < in; ++r)
+        for (std::size_t c = 0; c < block * n; ++c) {
+          differing += host(r, c) != host_want(r, c);
+          const double g = from_16bit(host(r, c), Dtype::bf16), w = hwide(r, c);
+          const double top = std::max(std::abs(g), std::abs(w));
+          const double half_ulp = top > 0 ? std::ldexp(1.0, std::ilogb(top) - 8) : 0.0;
+          const double bound = half_ulp + reorder * abs_sum[r * block * n + c];
+          ASSERT_LE(std::abs(g - w), bound)
+              << "K " << k << ", X " << (x_16bit ? "bf16" : "fp32") << " at (" << r << ", " << c
+              << "): got " << g << ", the fp32 product " << w;
+        }
+      ++cases;
+      if (world_rank() == 0) {
+        std::cout << "K " << k << ", X " << (x_16bit ? "bf16" : "fp32") << ", " << n
+                  << " ranks: " << differing << " of " << in * block * n
+                  << " elements' bits differ from the fp32 product rounded\n";
+      }
+    }
+  }
+  EXPECT_EQ(cases, 6u);
 }
 
 TEST(CollectiveMatmul, SixteenBitGatheredOperandNeedsASixteenBitWire) {

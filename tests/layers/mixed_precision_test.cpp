@@ -795,48 +795,6 @@ TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
   }
 }
 
-// DP with overlap and a bf16 wire (reduce_dtype = param_dtype = bf16): where gemm()'s kernel writes
-// 16 bits (gemm_kernel_writes_16bit: oneDNN's bf16 matmul on AVX512_BF16 or AMX) every Linear's
-// weight-gradient GEMM writes its gradient as bf16 straight into the buckets' 16-bit buffer
-// (docs/mixed_precision.md, cast point 8: counted by the buckets), and three training steps give
-// bit for bit the loss, logits, gradients and parameters of the same run with overlap off (the
-// blocking all-reduce of the fp32 gradient packed to bf16), on dp over every rank.
-TEST(MixedPrecision, BucketsGivenTheWeightGradientAs16BitsMatchTheBlockingReduction) {
-  const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
-  const int n = world_size();
-  const LayoutCase dp{"dp" + std::to_string(n), {{"dp", n}}, "dp", 0, "", "", true};
-  const int steps = 3;
-  const bool writes = gemm_kernel_writes_16bit(Dtype::bf16);
-  for (const auto& m : models()) {
-    SCOPED_TRACE(m.name + " on " + dp.name);
-    const RunResult on = run_model(m, dp, &bf16, 1.0f, /*overlap=*/true, steps);
-    const RunResult off = run_model(m, dp, &bf16, 1.0f, /*overlap=*/false, steps);
-    // Three Linear layers, one weight gradient each, in each of the `steps` backward passes (one
-    // rank: no DP group, so no buckets and nothing to compare but the runs).
-    const std::size_t linears = m.sizes.size() - 1;
-    EXPECT_EQ(on.gradients_written_16bit, writes && n > 1 ? linears * steps : 0u);
-    EXPECT_EQ(off.gradients_written_16bit, 0u);
-    EXPECT_EQ(on.loss, off.loss);
-    ASSERT_EQ(on.logits.size(), off.logits.size());
-    for (size_t i = 0; i < on.logits.size(); ++i)
-      ASSERT_EQ(float(on.logits[i]), float(off.logits[i])) << "logit " << i;
-    ASSERT_EQ(on.params.size(), off.params.size());
-    ASSERT_EQ(on.grads.size(), on.params.size());
-    ASSERT_EQ(off.grads.size(), off.params.size());
-    for (size_t k = 0; k < on.params.size(); ++k) {
-      ASSERT_EQ(on.params[k].size(), off.params[k].size());
-      ASSERT_EQ(on.grads[k].size(), on.params[k].size());
-      ASSERT_EQ(off.grads[k].size(), off.params[k].size());
-      for (size_t i = 0; i < on.params[k].size(); ++i) {
-        ASSERT_EQ(float(on.grads[k][i]), float(off.grads[k][i]))
-            << on.names[k] << " gradient element " << i;
-        ASSERT_EQ(float(on.params[k][i]), float(off.params[k][i]))
-            << on.names[k] << " element " << i;
-      }
-    }
-  }
-}
-
 // Two runs' loss, logits, gradients and parameters, bit for bit.
 void expect_bit_identical(const RunResult& a, const RunResult& b) {
   EXPECT_EQ(a.loss, b.loss);
@@ -854,6 +812,61 @@ void expect_bit_identical(const RunResult& a, const RunResult& b) {
       ASSERT_EQ(float(a.grads[k][i]), float(b.grads[k][i]))
           << a.names[k] << " gradient element " << i;
       ASSERT_EQ(float(a.params[k][i]), float(b.params[k][i])) << a.names[k] << " element " << i;
+    }
+  }
+}
+
+// DP with overlap and a bf16 wire (reduce_dtype = param_dtype = bf16): where gemm()'s kernel writes
+// 16 bits (gemm_kernel_writes_16bit: oneDNN's bf16 matmul on AVX512_BF16 or AMX) every bucketed
+// Linear's weight-gradient product writes its gradient as bf16 straight into the buckets' 16-bit
+// buffer (docs/mixed_precision.md, cast point 8: counted by the buckets), and three training steps
+// give bit for bit the loss, logits, gradients and parameters of the same run with overlap off (the
+// blocking all-reduce of the fp32 gradient packed to bf16), on dp over every rank and, at np 4, dp
+// 2 x tp 2 with every weight's columns split over tp (P(None, tp), naive and ring): the first
+// layer's one GEMM, the next layers, which gather their input, through all_gather_matmul_to_16bit
+// (where the blocking run computes all_gather_matmul's fp32 product and the wire packs it). The
+// gradients stay fp32 (grads16 off), as in a run that clips.
+TEST(MixedPrecision, BucketsGivenTheWeightGradientAs16BitsMatchTheBlockingReduction) {
+  using A = CollectiveMatmulAlgorithm;
+  const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
+  const int n = world_size();
+  std::vector<LayoutCase> layouts = {
+      {"dp" + std::to_string(n), {{"dp", n}}, "dp", 0, "", "", true}};
+  if (n == 4) {
+    for (A alg : {A::naive, A::ring}) {
+      layouts.push_back({std::string("dp2_tp2_columns_") + to_string(alg),
+                         {{"dp", 2}, {"tp", 2}},
+                         "",
+                         0,
+                         "P(None, tp)",
+                         "P(tp)",
+                         false,
+                         alg});
+    }
+  }
+  const int steps = 3;
+  const bool writes = gemm_kernel_writes_16bit(Dtype::bf16);
+  for (const auto& m : models()) {
+    for (const auto& layout : layouts) {
+      SCOPED_TRACE(m.name + " on " + layout.name);
+      const RunResult on = run_model(m, layout, &bf16, 1.0f, /*overlap=*/true, steps);
+      const RunResult off = run_model(m, layout, &bf16, 1.0f, /*overlap=*/false, steps);
+      // Three Linear layers, one weight gradient each; the bucketed ones (one rank: no DP group,
+      // so no buckets) write theirs as 16 bits in each of the `steps` backward passes: under dp
+      // and the columns layouts all of them (the layers after the first gather their input: their
+      // all-gather-matmul writes the 16 bits).
+      const std::size_t linears = m.sizes.size() - 1;
+      ASSERT_EQ(on.linear_layouts.size(), linears);
+      std::size_t bucketed = 0, gathering = 0;
+      for (const LinearLayout& l : on.linear_layouts) {
+        bucketed += n > 1 && l.defers_reduction();
+        gathering += l.defers_reduction() && l.column_gathers_input();
+      }
+      EXPECT_EQ(bucketed, n > 1 ? linears : 0u);
+      EXPECT_EQ(gathering, layout.preset == "dp" ? 0u : linears - 1);
+      EXPECT_EQ(on.gradients_written_16bit, writes ? bucketed * steps : 0u);
+      EXPECT_EQ(off.gradients_written_16bit, 0u);
+      expect_bit_identical(on, off);
     }
   }
 }
