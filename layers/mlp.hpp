@@ -220,9 +220,10 @@ class Mlp {
   // ZeRO-1. Called once by the driver after it chose `reduction`.
   void reserve_reductions(GradientReduction reduction) const;
   // Stores as 16 bits (ShardedTensor::storage, 2 bytes an element, no fp32 buffer) the weight
-  // gradients that would hold only 16-bit values: those of a plain MLP's Linear layers with DP
-  // storage (not gathered, not tensor-parallel, all-reduced over the batch axes) when the model
-  // computes in bf16 and reduces over a bf16 wire, where gemm()'s kernel writes 16 bits
+  // gradients that would hold only 16-bit values: those of a plain MLP's Linear layers whose
+  // weight is not gathered and whose product writes each element once (one GEMM, or a naive or
+  // ring all-gather-matmul: DP, tensor-parallel and one-rank layouts) when the model computes in
+  // bf16 and reduces over a bf16 wire, where gemm()'s kernel writes 16 bits
   // (partition/gradient_storage.hpp has the rule). Their backward then writes the GEMM's C rounded
   // to nearest even there, the all-reduce sums it in place (under overlap: the stored gradient
   // is its range of the DP buckets' 16-bit buffer) and the optimizer and the clipper's norm
