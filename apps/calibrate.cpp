@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -500,21 +501,28 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
 }
 
 // A DLRM config's data read (run/dlrm_read_timing.hpp) on its own training file at this
-// rank's rows of a batch: every rank measures at once (as the step's ranks read), the slowest
-// rank's time of each part is kept (the step's ids' agreement waits for it).
+// rank's rows of a batch: every rank measures at once (as the step's ranks read); the figures
+// are the slowest rank's (the most dense and sparse time; the step's ids' agreement waits for
+// it), its times and its ids together.
 void measure_data_read(const RunConfig& config, int64_t rows, int world, HardwareProfile& profile,
                        std::ostringstream& measured) {
   if (rows <= 0) rows = std::max<int64_t>(config.data.batch_size / std::max(world, 1), 1);
-  DlrmReadTiming t;
-  if (auto error = run_agreed(
-          MPI_COMM_WORLD, [&] { t = measure_dlrm_read(config, rows, MPI_COMM_WORLD, 20, &now); })) {
-    throw *error;
-  }
-  std::vector<double> times = {t.dense_s, t.sparse_s};
-  times.insert(times.end(), t.table_s.begin(), t.table_s.end());
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, times.data(), static_cast<int>(times.size()), MPI_DOUBLE,
-                          MPI_MAX, MPI_COMM_WORLD),
-            "MPI_Allreduce");
+  // Collective, its errors agreed inside (the same AgreedError on every rank).
+  DlrmReadTiming t = measure_dlrm_read(config, rows, MPI_COMM_WORLD, 20, &now);
+  struct {
+    double seconds;
+    int rank;
+  } slowest_rank{t.dense_s + t.sparse_s, 0};
+  check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &slowest_rank.rank), "MPI_Comm_rank");
+  check_mpi(
+      MPI_Allreduce(MPI_IN_PLACE, &slowest_rank, 1, MPI_DOUBLE_INT, MPI_MAXLOC, MPI_COMM_WORLD),
+      "MPI_Allreduce");
+  std::vector<double> figures = {t.dense_s, t.sparse_s, t.ids_per_batch};
+  figures.insert(figures.end(), t.table_s.begin(), t.table_s.end());
+  figures.insert(figures.end(), t.table_ids.begin(), t.table_ids.end());
+  check_mpi(MPI_Bcast(figures.data(), static_cast<int>(figures.size()), MPI_DOUBLE,
+                      slowest_rank.rank, MPI_COMM_WORLD),
+            "MPI_Bcast");
   // How far the slowest rank's dense read of a batch runs past the ranks' mean (every rank reads
   // at once, as in the step, where the first collective after the read waits for the slowest):
   // the mean over the batches. Recorded, not charged (docs/recsys.md, the share's section).
@@ -529,33 +537,33 @@ void measure_data_read(const RunConfig& config, int64_t rows, int world, Hardwar
   for (size_t b = 0; b < slowest.size(); ++b) {
     spread += (slowest[b] - sum[b] / world) / static_cast<double>(slowest.size());
   }
-  t.dense_s = times[0];
-  t.sparse_s = times[1];
-  std::copy(times.begin() + 2, times.end(), t.table_s.begin());
+  const size_t k = t.table_s.size();
+  t.dense_s = figures[0];
+  t.sparse_s = figures[1];
+  t.ids_per_batch = figures[2];
+  std::copy(figures.begin() + 3, figures.begin() + 3 + k, t.table_s.begin());
+  std::copy(figures.begin() + 3 + k, figures.end(), t.table_ids.begin());
   derive_dlrm_read_figures(t);
   profile.hdf5_row_seconds = t.hdf5_row_seconds;
   profile.sparse_row_seconds = t.sparse_row_seconds;
   profile.sparse_id_seconds = t.sparse_id_seconds;
-  double fewest = t.table_ids.front(), most = fewest;
-  for (const double ids : t.table_ids) {
-    fewest = std::min(fewest, ids);
-    most = std::max(most, ids);
-  }
-  char line[1024];
-  std::snprintf(line, sizeof line,
-                "data_read = \"%s: %lld rows a batch (random, in file order), %d batches, "
-                "slowest rank's medians: dense rows %.4g s, sparse reader %.4g s (%lld tables, "
-                "%.0f ids), each table alone %.4g to %.4g s (%.0f to %.0f ids)\"\n",
-                t.file.c_str(), static_cast<long long>(t.rows), t.batches, t.dense_s, t.sparse_s,
-                static_cast<long long>(t.tables), t.ids_per_batch,
-                *std::min_element(t.table_s.begin(), t.table_s.end()),
-                *std::max_element(t.table_s.begin(), t.table_s.end()), fewest, most);
-  measured << line;
-  std::snprintf(line, sizeof line,
+  std::ostringstream line;  // any data.path, TOML-escaped
+  line << std::setprecision(4) << t.file << ": " << t.rows << " rows a batch (data.shuffle "
+       << t.shuffle << ", in file order), " << t.batches << " batches, rank " << slowest_rank.rank
+       << "'s medians (the slowest): dense rows " << t.dense_s << " s, sparse reader " << t.sparse_s
+       << " s (" << t.tables << " tables, " << std::setprecision(0) << std::fixed << t.ids_per_batch
+       << " ids), each table alone " << std::defaultfloat << std::setprecision(4)
+       << *std::min_element(t.table_s.begin(), t.table_s.end()) << " to "
+       << *std::max_element(t.table_s.begin(), t.table_s.end()) << " s (" << std::fixed
+       << std::setprecision(0) << *std::min_element(t.table_ids.begin(), t.table_ids.end())
+       << " to " << *std::max_element(t.table_ids.begin(), t.table_ids.end()) << " ids)";
+  measured << "data_read = " << toml_string_value(line.str()) << "\n";
+  char spread_line[256];
+  std::snprintf(spread_line, sizeof spread_line,
                 "data_read_spread = %.4g  # s the slowest rank's dense read of a batch ran past "
                 "the ranks' mean (mean over the batches; not charged)\n",
                 spread);
-  measured << line;
+  measured << spread_line;
 }
 
 std::string host_name() {

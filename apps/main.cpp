@@ -290,7 +290,11 @@ void add_calibrate_command(CLI::App& app, CalibrateArgs& args) {
 
 int run_calibrate(const CalibrateArgs& args, int& argc, char**& argv) {
   return meshtrain::run_mpi_command(argc, argv, [&] {
-    return meshtrain::calibrate_command(args.config, args.overrides, args.out, args.clock);
+    try {
+      return meshtrain::calibrate_command(args.config, args.overrides, args.out, args.clock);
+    } catch (const meshtrain::AgreedError& error) {
+      return meshtrain::report_agreed_error(error);  // every rank holds it: printed once
+    }
   });
 }
 

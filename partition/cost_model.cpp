@@ -934,6 +934,8 @@ double data_read_seconds(const DataRead& read, const HardwareProfile& hw) {
   const double rows = static_cast<double>(read.rows);
   const double bytes = rows * static_cast<double>(read.row_bytes);
   if (read.tables > 0) {
+    // Not read.pattern: the rows' order is in hdf5_row_seconds (measured on the config's
+    // data.shuffle), the chunks cached (cost_model.hpp).
     const double row_tables = rows * static_cast<double>(read.tables);
     const double ids = rows * static_cast<double>(read.ids_per_row);
     // Not measured (sparse_row_seconds 0): a 64-byte line per offset and id.

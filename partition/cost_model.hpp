@@ -266,7 +266,10 @@ struct DataRead {
 // one latency per block started. A DLRM's (read.tables > 0): rows * hdf5_row_seconds + rows *
 // tables * sparse_row_seconds + rows * ids_per_row * sparse_id_seconds (unmeasured sparse
 // figures: 128 and 64 bytes at memory bandwidth) + its rows' bytes twice at memory bandwidth
-// (the copy into the batch views). Not the agreement (data_agree_seconds).
+// (the copy into the batch views); read.pattern does not enter: the chunks stay cached (no
+// storage read), and what the order of the rows costs HDF5 is in hdf5_row_seconds, which
+// calibrate measures on the config's own data.shuffle (kHdf5RowSeconds: an estimate for random
+// rows), so a profile is for configs of that shuffle. Not the agreement (data_agree_seconds).
 double data_read_seconds(const DataRead& read, const HardwareProfile& hardware);
 // The ids' agreement of a DLRM's read: one all-reduce of 40 bytes over read.agree_ranks on the
 // link of read.agree_axes (0 for one rank or not a DLRM).

@@ -2,11 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 
 #include "base/error.hpp"
+#include "framework/comm/failure_agreement.hpp"
 #include "framework/io/data.hpp"
 #include "framework/io/sparse_hdf5.hpp"
+#include "run/dlrm_data.hpp"
 
 namespace meshtrain {
 namespace {
@@ -16,57 +17,50 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-// `batches` + `warm` batches of `rows` distinct random rows of [0, n), each sorted (the same on
-// every call with the same seed).
-std::vector<std::vector<int64_t>> draw_batches(int64_t n, int64_t rows, int count, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int64_t> row(0, n - 1);
-  std::vector<std::vector<int64_t>> out(static_cast<size_t>(count));
-  for (auto& b : out) {
-    while (static_cast<int64_t>(b.size()) < rows) {
-      b.push_back(row(rng));
-      if (static_cast<int64_t>(b.size()) == rows) {
-        std::sort(b.begin(), b.end());
-        b.erase(std::unique(b.begin(), b.end()), b.end());
-      }
-    }
-  }
-  return out;
-}
-
 }  // namespace
 
 DlrmReadTiming measure_dlrm_read(const RunConfig& config, int64_t rows, MPI_Comm comm, int batches,
                                  double (*clock)()) {
   constexpr int kWarm = 3;
   DlrmReadTiming t;
-  const std::vector<std::string> files = expand_data_paths(config.data.path, "data.path");
-  if (files.size() != 1) {
-    MESHTRAIN_BAD_INPUT(config.file, ": data.path names ", files.size(),
-                        " files; calibrating a DLRM's data read needs its one training file");
-  }
-  t.file = files.front();
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
   std::vector<std::string> tables;
-  for (const DlrmTable& table : config.model.dlrm().tables) tables.push_back(table.name);
+  std::unique_ptr<RowSource> source;
+  std::vector<std::vector<int64_t>> all;  // each batch's rows, in file order
+  // Opened and checked as DlrmRun::open_data does (run/dlrm_data.hpp); the rows of the run's
+  // first batches (BatchSchedule by data.shuffle, block_rows, shuffle_window and run.seed), this
+  // rank's slice of each (ranks count = data.batch_size / rows slices, rank r the r % count-th),
+  // sorted into file order as DlrmRun::read_training_batch sorts them.
+  on_every_rank(comm, [&] {
+    t.file = dlrm_one_file(config.data.path, "data.path", config.file);
+    if (t.file.empty()) {
+      MESHTRAIN_BAD_INPUT(config.file,
+                          ": data.path names no file; calibrating a DLRM's data read needs its "
+                          "training file");
+    }
+    tables = dlrm_table_names(config.model.dlrm());
+    source = open_dlrm_train_source(config, t.file);
+    const BatchSchedule schedule(source->shape().num_samples, config.data.batch_size,
+                                 config.data.shuffle, config.run.seed, config.data.block_rows,
+                                 config.data.shuffle_window);
+    BatchSlice slice;
+    slice.global_batch = config.data.batch_size;
+    slice.rows = std::clamp<int64_t>(rows, 1, slice.global_batch);
+    slice.count = slice.global_batch / slice.rows;
+    slice.index = rank % slice.count;
+    all.assign(static_cast<size_t>(batches + kWarm), std::vector<int64_t>(slice.rows));
+    for (int b = 0; b < batches + kWarm; ++b) {
+      std::vector<int64_t>& r = all[static_cast<size_t>(b)];
+      schedule.slice_samples(b, slice, r.data());
+      std::sort(r.begin(), r.end());
+    }
+    rows = slice.rows;
+  });
   t.rows = rows;
   t.tables = static_cast<int64_t>(tables.size());
   t.batches = batches;
-  // As DlrmRun::open_data: every chunk of x_key and y_key kept once read.
-  const DlrmDataCaches caches =
-      dlrm_data_cache_bytes(t.file, {}, "", {config.data.x_key, config.data.y_key});
-  Hdf5SourceOptions options;
-  options.chunk_cache_bytes = std::max(caches.dense_budget(), options.chunk_cache_bytes);
-  options.random_rows = true;
-  options.x_name = config.data.x_key;
-  options.y_name = config.data.y_key;
-  std::unique_ptr<RowSource> source = open_hdf5_source({t.file}, 1, options);
-  const int64_t n = source->shape().num_samples;
-  rows = std::min(rows, n);
-  t.rows = rows;
-  int rank = 0;
-  MPI_Comm_rank(comm, &rank);
-  const auto all =
-      draw_batches(n, rows, batches + kWarm, 0x5eed0000u + static_cast<uint64_t>(rank));
+  t.shuffle = to_string(config.data.shuffle);
   std::vector<float> dense(static_cast<size_t>(rows * source->shape().features));
   std::vector<float> targets(static_cast<size_t>(rows));
   // Between two batches the step's forward, backward and optimizer pass over the model, the
@@ -78,7 +72,10 @@ DlrmReadTiming measure_dlrm_read(const RunConfig& config, int64_t rows, MPI_Comm
     for (size_t i = 0; i < evict.size(); i += 64) evict[i] = static_cast<char>(evict[i] + b);
   };
   {
+    // Collective, agreeing on its own errors (a missing table names the file).
     SparseHdf5Reader reader(t.file, tables, rows, -1, comm, config.data.sparse_key);
+    on_every_rank(comm,
+                  [&] { check_dlrm_sparse_data(config, reader, source->shape().num_samples); });
     std::vector<double> dense_s, sparse_s;
     double ids = 0.0;
     for (int b = 0; b < batches + kWarm; ++b) {
@@ -87,12 +84,19 @@ DlrmReadTiming measure_dlrm_read(const RunConfig& config, int64_t rows, MPI_Comm
       const double t0 = clock();
       const SparseHdf5Reader::Problem problem = reader.read_unagreed(r.data(), rows);
       const double t1 = clock();
-      source->read(r.data(), rows, RowBuffers{dense.data(), nullptr, targets.data()});
-      const double t2 = clock();
-      reader.agree(problem);  // collective: a bad id is refused as the run refuses it
+      // As DlrmRun::read_rows: the ids' checks agreed first (collective: a bad id is refused as
+      // the run refuses it), then the dense rows; a dense row one rank cannot read is agreed
+      // on here, so every rank ends with its one sentence before the next collective.
+      reader.agree(problem);
+      double t2 = 0.0, t3 = 0.0;
+      on_every_rank(comm, [&] {
+        t2 = clock();
+        source->read(r.data(), rows, RowBuffers{dense.data(), nullptr, targets.data()});
+        t3 = clock();
+      });
       if (b < kWarm) continue;
       sparse_s.push_back(t1 - t0);
-      dense_s.push_back(t2 - t1);
+      dense_s.push_back(t3 - t2);
       for (size_t k = 0; k < tables.size(); ++k) ids += static_cast<double>(reader.batch(k).ids());
     }
     t.dense_batches = dense_s;

@@ -26,30 +26,10 @@
 #include "framework/observe/trace.hpp"
 #include "framework/train/resume.hpp"
 #include "layers/mlp.hpp"  // specs_from_plan
+#include "run/dlrm_data.hpp"
 #include "run/run_common.hpp"
 
 namespace meshtrain {
-namespace {
-
-// The one file of data.path / data.test_path (`key`); "" when the key names none.
-std::string one_file(const std::vector<std::string>& entries, const std::string& key,
-                     const std::string& config_file) {
-  const std::vector<std::string> files = expand_data_paths(entries, key);
-  if (files.size() > 1) {
-    MESHTRAIN_BAD_INPUT(config_file, ": ", key, " names ", files.size(), " files ('", files.front(),
-                        "', ...), but model.kind = \"dlrm\" reads its sparse ",
-                        "features from one file per split (shards are not read yet)");
-  }
-  return files.empty() ? std::string() : files.front();
-}
-
-std::vector<std::string> table_names(const DlrmShape& shape) {
-  std::vector<std::string> names;
-  for (const DlrmTable& t : shape.tables) names.push_back(t.name);
-  return names;
-}
-
-}  // namespace
 
 void require_command_builds(const ModelSection& model, const std::string& command) {
   if (model.kind == ModelKind::dlrm) {
@@ -301,13 +281,13 @@ void DlrmRun::plan_run() {
 // times this rank's rows), the larger of the two splits' for the model.
 void DlrmRun::open_data() {
   const DlrmShape shape = config_.model.dlrm();
-  const std::vector<std::string> tables = table_names(shape);
+  const std::vector<std::string> tables = dlrm_table_names(shape);
   const ModelWidthKeys keys{"model.bottom[0]", "the dlrm's one output"};
   on_every_rank(comm_, [&] {
     if (!config_.model.loss) config_.model.loss = LossKind::binary_cross_entropy;
     if (predicting_) {
       // The dense features alone (no labels), every row in file order.
-      train_file_ = one_file(config_.data.path, "data.path", config_.file);
+      train_file_ = dlrm_one_file(config_.data.path, "data.path", config_.file);
       Hdf5SourceOptions options;
       options.x_name = config_.data.x_key;
       options.y_name = "";
@@ -323,26 +303,11 @@ void DlrmRun::open_data() {
                                             config_.data.batch_size, "data.batch_size");
       return;
     }
-    train_file_ = one_file(config_.data.path, "data.path", config_.file);
-    test_file_ = one_file(config_.data.test_path, "data.test_path", config_.file);
+    train_file_ = dlrm_one_file(config_.data.path, "data.path", config_.file);
+    test_file_ = dlrm_one_file(config_.data.test_path, "data.test_path", config_.file);
     const uint64_t seed = config_.run.seed;
-    train_source_ = open_data_source(config_.data, Split::train, seed, shape.bottom.front(), 1,
-                                     config_.model.loss, keys);
-    // Checked above; opened again with a chunk cache that keeps every chunk of its x_key and
-    // y_key once read (a shuffled batch touches nearly all of them, which HDF5's default 1 MiB
-    // reloaded every step), as the sparse reader keeps its tables' (DlrmDataCaches).
-    const DlrmDataCaches caches =
-        dlrm_data_cache_bytes(train_file_, {}, "", {config_.data.x_key, config_.data.y_key});
-    if (caches.dense_budget() > Hdf5SourceOptions{}.chunk_cache_bytes) {
-      Hdf5SourceOptions options;
-      options.chunk_cache_bytes = caches.dense_budget();
-      options.random_rows = config_.data.shuffle != ShuffleMode::none;
-      options.block_rows =
-          config_.data.shuffle == ShuffleMode::blocks ? config_.data.block_rows : 0;
-      options.x_name = config_.data.x_key;
-      options.y_name = config_.data.y_key;
-      train_source_ = open_hdf5_source({train_file_}, 1, options);
-    }
+    // Shared with calibrate (run/dlrm_data.hpp): its chunk cache keeps every chunk read.
+    train_source_ = open_dlrm_train_source(config_, train_file_);
     test_source_ = open_data_source(config_.data, Split::test, seed, shape.bottom.front(), 1,
                                     config_.model.loss, keys);
     const int64_t global_batch = config_.data.batch_size;
@@ -367,21 +332,9 @@ void DlrmRun::open_data() {
   on_every_rank(comm_, [&] {
     for (const SparseHdf5Reader* reader : {train_sparse_.get(), test_sparse_.get()}) {
       if (!reader) continue;
-      for (size_t t = 0; t < shape.tables.size(); ++t) {
-        if (reader->table_rows(t) > shape.tables[t].rows) {
-          MESHTRAIN_BAD_INPUT("sparse data file '", reader->path(), "', table '",
-                              shape.tables[t].name, "': the file's table has ",
-                              reader->table_rows(t), " rows, more than the ", shape.tables[t].rows,
-                              " of model.tables (", config_.file, ")");
-        }
-      }
-      if (reader->num_rows() !=
-          (reader == train_sparse_.get() ? train_source_ : test_source_)->shape().num_samples) {
-        MESHTRAIN_BAD_INPUT(
-            "sparse data file '", reader->path(), "': its tables describe ", reader->num_rows(),
-            " rows, but ", config_.data.x_key, " holds ",
-            (reader == train_sparse_.get() ? train_source_ : test_source_)->shape().num_samples);
-      }
+      check_dlrm_sparse_data(
+          config_, *reader,
+          (reader == train_sparse_.get() ? train_source_ : test_source_)->shape().num_samples);
     }
   });
 }

@@ -131,6 +131,13 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
   p.sparse_row_seconds =
       number(root, "sparse_row_seconds", "sparse_row_seconds", source, false, 0.0);
   p.sparse_id_seconds = number(root, "sparse_id_seconds", "sparse_id_seconds", source, false, 0.0);
+  // The per-id figure is a measured one only beside a measured per-row one (calibrate writes
+  // both); alone the model would ignore it and a rewrite would drop it.
+  if (p.sparse_id_seconds > 0.0 && p.sparse_row_seconds == 0.0) {
+    MESHTRAIN_BAD_INPUT(source, ": sparse_id_seconds = ", p.sparse_id_seconds,
+                        " needs sparse_row_seconds above 0 (missing or 0 here), as calibrate ",
+                        "writes them together");
+  }
   if (const toml::node* gemm_node = root.get("gemm")) {
     const toml::array* entries = gemm_node->as_array();
     if (!entries || !entries->is_array_of_tables()) {
@@ -243,7 +250,11 @@ std::string hardware_profile_to_toml(const HardwareProfile& p, const std::string
       << "storage_read_latency = " << number_text(p.storage_read_latency)
       << "  # s per random read of a data file (not measured)\n"
       << "hdf5_row_seconds = " << number_text(p.hdf5_row_seconds)
-      << "  # s per row of random rows from an HDF5 file's cached chunks (a DLRM's dense read)\n";
+      << "  # s per row of a batch from an HDF5 file's cached chunks (a DLRM's dense read)"
+      << (p.hdf5_row_seconds == kHdf5RowSeconds && p.sparse_row_seconds == 0.0
+              ? " (an estimate, not measured: calibrate CONFIG of a DLRM measures it)"
+              : "")
+      << "\n";
   if (p.sparse_row_seconds > 0.0) {
     out << "sparse_row_seconds = " << number_text(p.sparse_row_seconds)
         << "  # s the sparse reader spends per row and table (offsets, checks, copy)\n"

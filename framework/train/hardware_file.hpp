@@ -10,7 +10,11 @@
 //   hdf5_row_seconds = 8e-6      # s per random row from an HDF5 file's cached chunks
 //                                # (optional: kHdf5RowSeconds; calibrate CONFIG of a DLRM)
 //   sparse_row_seconds = 2e-7    # s of the sparse reader per row and table, and per id
-//   sparse_id_seconds = 5e-8     # (optional: 0, i.e. at memory_bandwidth; calibrate CONFIG)
+//   sparse_id_seconds = 5e-8     # (optional, calibrate CONFIG writes both: sparse_row_seconds
+//                                # missing or 0 means not measured, both then charged at
+//                                # memory_bandwidth, and sparse_id_seconds above 0 is refused;
+//                                # with sparse_row_seconds set, sparse_id_seconds 0 or missing
+//                                # is a measured 0)
 //   [links.tp]                   # one table per mesh axis: dp, fsdp, ep, tp, sp
 //   bandwidth = 4.1e9            # B/s point to point
 //   latency = 1.9e-6             # s

@@ -996,7 +996,10 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
 // multiply-adds at the profile's "dlrm_dot_forward" rate; not measured: 2 flops each at
 // gemm_flops, which a scalar loop does not reach) or, for cat, the copy into the top's input;
 // backward the products' gradient (twice the multiply-adds, "dlrm_dot_backward") or cat's copy,
-// then every block's gradient copied out of the features' gradient (W a row).
+// then every block's gradient copied out of the features' gradient (W a row). Every item is in
+// the "memory" category (memory_s), the dot products at gemm_flops too: as the cost model's
+// elementwise kernels at their measured rates, "memory" holds every pass that is not a GEMM call
+// or a collective; gemm_s counts the gemm() calls alone.
 void add_dlrm_interaction(const DlrmShape& shape, int64_t rows, const HardwareProfile& hw,
                           StepCost& cost) {
   const auto add = [&](const char* phase, const std::string& what, double seconds) {

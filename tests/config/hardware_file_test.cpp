@@ -194,6 +194,13 @@ TEST(HardwareFile, BadFilesNameFileAndKey) {
                   "sparse_id_seconds");
   expect_rejected(replaced("sparse_id_seconds = 2.5e-08", "sparse_ids_seconds = 2.5e-08"),
                   "sparse_ids_seconds");
+  // A per-id figure without the per-row one (missing or 0) would be ignored by the model and
+  // dropped on a rewrite: refused, naming both keys.
+  for (const std::string& row : {"", "sparse_row_seconds = 0"}) {
+    for (const std::string key : {"sparse_id_seconds", "sparse_row_seconds"}) {
+      expect_rejected(replaced("sparse_row_seconds = 7.5e-08", row), key);
+    }
+  }
   expect_rejected(replaced("collective_overhead = 0.00125", "collective_overhead = -0.001"),
                   "links.fsdp.collective_overhead");
   expect_rejected(replaced("collective_overhead = 0.00125", "collective_overhead = \"slow\""),
