@@ -21,8 +21,8 @@ meshtrain_add_test(NAME core_device_memory_emulation_test
                    LIBS meshtrain_framework NP 1 2 TIMEOUT 60 EMULATED)
 # No FMA in the per-ISA clones compiled without contraction (MESHTRAIN_HOST_CLONES_EXACT,
 # framework/core/host_clones.hpp): the built libraries' x86-64-v3/v4 clones of the optimizer,
-# precision, the MPI ring's sums, the activations' training kernels and the Linear's bias
-# gradient, disassembled by objdump
+# precision, the MPI ring's sums, the activations' training kernels (their 16-bit passes too)
+# and the Linear's bias gradient and 16-bit bias add, disassembled by objdump
 # (tests/core/host_clones_fma.py; about 1 s). Skipped (77) without objdump or where the build
 # has no clones (clang, nvcc, GCC before 12, not x86-64). Where host_clones.hpp's #if makes
 # clones (GCC >= 12, not clang, x86-64, no Kokkos CUDA so no nvcc), --expect-clones makes a
