@@ -4,9 +4,10 @@
 // for the rounding's edge cases: +-0, NaN of both signs, +-inf, bf16's and fp16's subnormals,
 // values that round to 0 or overflow fp16, ties of round-to-nearest-even in both formats (odd
 // and even last bits), and a sweep of ordinary values. Bits are compared exactly (no
-// tolerance): the two versions do the same IEEE operations per element, so any difference is a
-// bug. Sizes cross a host chunk (16384 elements) and leave a tail that is not a multiple of 16
-// lanes. Skipped where the layers run no host kernels (a GPU build: the kernels only).
+// tolerance; a NaN's sign aside, count_differences): the two versions do the same IEEE
+// operations per element, so any difference is a bug. Sizes cross a host chunk (16384
+// elements) and leave a tail that is not a multiple of 16 lanes. Skipped where the layers run
+// no host kernels (a GPU build: the kernels only).
 
 #include <gtest/gtest.h>
 
@@ -16,6 +17,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "base/dtype.hpp"
@@ -103,7 +105,7 @@ auto host_copy(const View& v) {
 // leaves the new NaN's sign unspecified, and x86 gives the scalar and the vector instructions'
 // NaNs different signs (0x7fc00000 against 0xffc00000); either is the 16-bit formats' NaN.
 // `what` names the array. Returns the count of elements that differ.
-bool is_nan_bits(float f) {
+bool is_nan_float(float f) {
   return std::isnan(f);
 }
 bool is_nan_16bit(uint16_t h, Dtype dtype) {  // exponent all ones and a mantissa
@@ -122,7 +124,7 @@ int64_t count_differences(const A& a, const B& b, const std::string& what, int64
     const uint32_t x = raw_bits(a(k)), y = raw_bits(b(k));
     bool nans = false;
     if constexpr (std::is_same_v<typename A::value_type, float>) {
-      nans = is_nan_bits(a(k)) && is_nan_bits(b(k));
+      nans = is_nan_float(a(k)) && is_nan_float(b(k));
     } else {
       nans = is_nan_16bit(a(k), dtype) && is_nan_16bit(b(k), dtype);
     }
