@@ -316,5 +316,68 @@ TEST_F(SixteenBitPasses, LinearBiasGradientIsTheKernelsBits) {
   }
 }
 
+// The SwiGLU's forward keeping 16 bits (gate, value and output kept; the output written over
+// value) and backward from them (dgate, and dvalue over dy), on strided gate, value, dy and dgate,
+// host against kernel. The gate and value are 16-bit values of the edge values (as the layer's
+// inputs are), in two different orders so that every pair of specials meets.
+TEST_F(SixteenBitPasses, SwigluForwardKeepingAndBackwardFromAreTheKernelsBits) {
+  const std::vector<float> raw = edge_values(6000);
+  const int64_t rows = 23, cols = 300 + 9;
+  for (const Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    std::vector<float> g_values(raw.size()), u_values(raw.size()), d_values(raw.size());
+    for (size_t k = 0; k < raw.size(); ++k) {
+      g_values[k] = round_to(raw[k], dtype);
+      u_values[k] = round_to(raw[(k * 11 + 5) % raw.size()], dtype);
+      d_values[k] = raw[(k * 17 + 2) % raw.size()] * 0.37f;  // not 16-bit values
+    }
+    const StridedMatrix gate = strided_matrix(g_values, rows, cols, "gate");
+    StridedMatrix value[2] = {strided_matrix(u_values, rows, cols, "value_kernel"),
+                              strided_matrix(u_values, rows, cols, "value_host")};
+    HalfMatrix kg[2] = {HalfMatrix("kg_kernel", rows, cols), HalfMatrix("kg_host", rows, cols)};
+    HalfMatrix kv[2] = {HalfMatrix("kv_kernel", rows, cols), HalfMatrix("kv_host", rows, cols)};
+    HalfMatrix ko[2] = {HalfMatrix("ko_kernel", rows, cols), HalfMatrix("ko_host", rows, cols)};
+    StridedMatrix dy[2] = {strided_matrix(d_values, rows, cols, "dy_kernel"),
+                           strided_matrix(d_values, rows, cols, "dy_host")};
+    StridedMatrix dgate[2] = {strided_matrix(d_values, rows, cols, "dgate_kernel"),
+                              strided_matrix(d_values, rows, cols, "dgate_host")};
+    const Path paths[2] = {Path::kernel, Path::host};
+    for (int p = 0; p < 2; ++p) {
+      sixteen_bit_passes::swiglu_forward_keeping(paths[p], gate.view, value[p].view, kg[p], kv[p],
+                                                 ko[p], dtype);
+      sixteen_bit_passes::swiglu_backward_from(paths[p], kg[p], kv[p], dy[p].view, dgate[p].view,
+                                               dtype);
+    }
+    Kokkos::fence();
+    const auto flat = [](const auto& m) {  // a [rows, cols (+ 3)] host copy as one array
+      auto h = host_copy(m);
+      return Kokkos::View<typename decltype(h)::value_type*, Kokkos::HostSpace>(h.data(), h.size());
+    };
+    const int64_t n = rows * cols, padded = rows * (cols + 3);
+    EXPECT_EQ(
+        count_differences(flat(value[0].storage), flat(value[1].storage), "output", padded, dtype),
+        0);
+    EXPECT_EQ(count_differences(flat(kg[0]), flat(kg[1]), "kept gate", n, dtype), 0);
+    EXPECT_EQ(count_differences(flat(kv[0]), flat(kv[1]), "kept value", n, dtype), 0);
+    EXPECT_EQ(count_differences(flat(ko[0]), flat(ko[1]), "kept output", n, dtype), 0);
+    EXPECT_EQ(count_differences(flat(dy[0].storage), flat(dy[1].storage), "dvalue", padded, dtype),
+              0);
+    EXPECT_EQ(
+        count_differences(flat(dgate[0].storage), flat(dgate[1].storage), "dgate", padded, dtype),
+        0);
+    // The passes did compute: finite nonzero outputs and gradients in most places.
+    const auto out = host_copy(value[1].storage);
+    const auto dv = host_copy(dy[1].storage);
+    int64_t finite = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < cols; ++j) {
+        finite += std::isfinite(out(i, j)) && out(i, j) != 0.0f && std::isfinite(dv(i, j)) &&
+                  dv(i, j) != 0.0f;
+      }
+    }
+    EXPECT_GT(finite, n / 2);
+  }
+}
+
 }  // namespace
 }  // namespace meshtrain
