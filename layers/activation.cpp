@@ -7,11 +7,13 @@
 #include "framework/core/activation_storage.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/fast_math.hpp"
+#include "framework/core/host_chunks.hpp"
 #include "framework/core/host_clones.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
 #include "layers/inference.hpp"
+#include "layers/sixteen_bit_passes.hpp"
 
 namespace meshtrain {
 namespace {
@@ -885,12 +887,7 @@ void activation_backward(Activation activation, MatrixView z, MatrixView grad, D
 
 namespace {
 
-struct Identity {
-  KOKKOS_INLINE_FUNCTION static float value(float x) { return x; }
-  KOKKOS_INLINE_FUNCTION static float gradient(float, float g) { return g; }
-};
-
-// The kernels of the two functions below for one activation's formulas (Op: those of
+// The kernels of the two 16-bit passes below for one activation's formulas (Op: those of
 // activation_forward and activation_backward, framework/core/activation_math.hpp). Function
 // templates, not generic lambdas: CUDA's device lambdas cannot live in a generic lambda.
 template <class Op>
@@ -927,7 +924,176 @@ void backward_from(const uint16_t* kept_z, float* grads, int64_t n, Dtype dtype)
       });
 }
 
+// The same passes on host memory (sixteen_bit_passes.hpp): a chunk of elements per call,
+// compiled per instruction set without FMA contraction, the format a template argument (no
+// dtype test per element), so the same IEEE operations per element as the kernels above, 16
+// lanes at a time on AVX-512. values and the kept arrays are of different types and kept_z and
+// kept_out distinct buffers (__restrict): no run-time overlap check in the vector loop.
+template <class Op, Dtype dtype>
+MESHTRAIN_INLINE void forward_keeping_span(float* __restrict values, uint16_t* __restrict kept_z,
+                                           uint16_t* __restrict kept_out, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    const float x = values[k];
+    const uint16_t out = to_16bit_as<dtype>(Op::value(x));
+    kept_z[k] = to_16bit_as<dtype>(x);
+    kept_out[k] = out;
+    values[k] = from_16bit_as<dtype>(out);
+  }
+}
+template <class Op, Dtype dtype>
+MESHTRAIN_INLINE void forward_keeping_output_span(float* __restrict values,
+                                                  uint16_t* __restrict kept_out, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    const uint16_t out = to_16bit_as<dtype>(Op::value(values[k]));
+    kept_out[k] = out;
+    values[k] = from_16bit_as<dtype>(out);
+  }
+}
+template <class Op, Dtype dtype>
+MESHTRAIN_INLINE void backward_from_span(const uint16_t* __restrict kept, float* __restrict grads,
+                                         int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    grads[k] = round_as<dtype>(Op::gradient(from_16bit_as<dtype>(kept[k]), grads[k]));
+  }
+}
+
+// with_activation's bodies (functors whose calls are forced inline, so inside the clone; as
+// ScaleBlock above). kept_z null: the output only (relu, the identity).
+struct ForwardKeepingSpan {
+  float* values;
+  uint16_t* kept_z;
+  uint16_t* kept_out;
+  int64_t n;
+  bool bf16;
+  template <class Op>
+  MESHTRAIN_INLINE void operator()(Op) const {
+    if (kept_z == nullptr) {
+      if (bf16) return forward_keeping_output_span<Op, Dtype::bf16>(values, kept_out, n);
+      return forward_keeping_output_span<Op, Dtype::fp16>(values, kept_out, n);
+    }
+    if (bf16) return forward_keeping_span<Op, Dtype::bf16>(values, kept_z, kept_out, n);
+    forward_keeping_span<Op, Dtype::fp16>(values, kept_z, kept_out, n);
+  }
+};
+struct BackwardFromSpan {
+  const uint16_t* kept;
+  float* grads;
+  int64_t n;
+  bool bf16;
+  template <class Op>
+  MESHTRAIN_INLINE void operator()(Op) const {
+    if (bf16) return backward_from_span<Op, Dtype::bf16>(kept, grads, n);
+    backward_from_span<Op, Dtype::fp16>(kept, grads, n);
+  }
+};
+
+MESHTRAIN_HOST_CLONES_EXACT
+void forward_keeping_16bit_host(Activation activation, float* values, uint16_t* kept_z,
+                                uint16_t* kept_out, int64_t n, bool bf16) {
+  activation_math::with_activation(activation,
+                                   ForwardKeepingSpan{values, kept_z, kept_out, n, bf16});
+}
+
+MESHTRAIN_HOST_CLONES_EXACT
+void backward_from_16bit_host(Activation activation, const uint16_t* kept, float* grads, int64_t n,
+                              bool bf16) {
+  activation_math::with_activation(activation, BackwardFromSpan{kept, grads, n, bf16});
+}
+
+// activation_keeps_16bit_input false (relu, the identity): no z kept.
+void forward_keeping_kernel(Activation activation, float* v, uint16_t* kz, uint16_t* ko, int64_t n,
+                            Dtype dtype) {
+  if (kz == nullptr) {
+    if (activation == Activation::relu) {
+      return forward_keeping_output<activation_math::Relu>(v, ko, n, dtype);
+    }
+    return forward_keeping_output<activation_math::Identity>(v, ko, n, dtype);
+  }
+  switch (activation) {
+    case Activation::relu:  // keeps no z
+    case Activation::none:
+      MESHTRAIN_FAIL("activation_forward_keeping_16bit: ", to_string(activation),
+                     " keeps no z, handled before the switch");
+    case Activation::tanh:
+      return forward_keeping<activation_math::Tanh>(v, kz, ko, n, dtype);
+    case Activation::gelu:
+      return forward_keeping<activation_math::GeluTanh>(v, kz, ko, n, dtype);
+    case Activation::gelu_erf:
+      return forward_keeping<activation_math::GeluErf>(v, kz, ko, n, dtype);
+    case Activation::silu:
+      return forward_keeping<activation_math::Silu>(v, kz, ko, n, dtype);
+    case Activation::sigmoid:
+      return forward_keeping<activation_math::Sigmoid>(v, kz, ko, n, dtype);
+  }
+}
+
+void backward_from_kernel(Activation activation, const uint16_t* kz, float* g, int64_t n,
+                          Dtype dtype) {
+  switch (activation) {
+    case Activation::relu:
+      return backward_from<activation_math::Relu>(kz, g, n, dtype);
+    case Activation::tanh:
+      return backward_from<activation_math::Tanh>(kz, g, n, dtype);
+    case Activation::gelu:
+      return backward_from<activation_math::GeluTanh>(kz, g, n, dtype);
+    case Activation::gelu_erf:
+      return backward_from<activation_math::GeluErf>(kz, g, n, dtype);
+    case Activation::silu:
+      return backward_from<activation_math::Silu>(kz, g, n, dtype);
+    case Activation::sigmoid:
+      return backward_from<activation_math::Sigmoid>(kz, g, n, dtype);
+    case Activation::none:
+      return backward_from<activation_math::Identity>(kz, g, n, dtype);
+  }
+}
+
+sixteen_bit_passes::Path step_path() {
+  return inference::layers_run_host_kernels() ? sixteen_bit_passes::Path::host
+                                              : sixteen_bit_passes::Path::kernel;
+}
+
 }  // namespace
+
+namespace sixteen_bit_passes {
+
+void activation_forward_keeping(Path path, Activation activation, float* values, uint16_t* kept_z,
+                                uint16_t* kept_out, int64_t n, Dtype dtype) {
+  const bool keeps_z = activation_keeps_16bit_input(activation);
+  MESHTRAIN_REQUIRE(
+      dtype != Dtype::fp32 && (keeps_z ? kept_z != nullptr || n == 0 : kept_z == nullptr),
+      "activation_forward_keeping_16bit: a 16-bit dtype, and a kept z exactly where ",
+      to_string(activation), "'s backward reads it");
+  if (path == Path::kernel)
+    return forward_keeping_kernel(activation, values, kept_z, kept_out, n, dtype);
+  MESHTRAIN_REQUIRE(inference::layers_run_host_kernels(),
+                    "activation_forward_keeping_16bit: the host loop on a build whose layers run "
+                    "no host kernels");
+  const bool bf16 = dtype == Dtype::bf16;
+  for_host_chunks(MESHTRAIN_LABEL("meshtrain::activation_forward_keeping_16bit"), n,
+                  [=](int64_t begin, int64_t end) {
+                    forward_keeping_16bit_host(activation, values + begin,
+                                               kept_z == nullptr ? nullptr : kept_z + begin,
+                                               kept_out + begin, end - begin, bf16);
+                  });
+}
+
+void activation_backward_from(Path path, Activation activation, const uint16_t* kept, float* grads,
+                              int64_t n, Dtype dtype) {
+  MESHTRAIN_REQUIRE(dtype != Dtype::fp32,
+                    "activation_backward_from_16bit: a 16-bit dtype is needed");
+  if (path == Path::kernel) return backward_from_kernel(activation, kept, grads, n, dtype);
+  MESHTRAIN_REQUIRE(inference::layers_run_host_kernels(),
+                    "activation_backward_from_16bit: the host loop on a build whose layers run "
+                    "no host kernels");
+  const bool bf16 = dtype == Dtype::bf16;
+  for_host_chunks(MESHTRAIN_LABEL("meshtrain::activation_backward_from_16bit"), n,
+                  [=](int64_t begin, int64_t end) {
+                    backward_from_16bit_host(activation, kept + begin, grads + begin, end - begin,
+                                             bf16);
+                  });
+}
+
+}  // namespace sixteen_bit_passes
 
 void activation_forward_keeping_16bit(Activation activation, MatrixView z, HalfMatrixView kept_z,
                                       HalfMatrixView kept_out, Dtype dtype) {
@@ -945,31 +1111,9 @@ void activation_forward_keeping_16bit(Activation activation, MatrixView z, HalfM
                     "activation_forward_keeping_16bit: ", to_string(activation),
                     " keeps no z (its backward reads the kept output): "
                     "kept_z must be empty");
-  float* v = z.data();
-  uint16_t* kz = kept_z.data();
-  uint16_t* ko = kept_out.data();
-  if (!keeps_z) {
-    if (activation == Activation::relu) {
-      return forward_keeping_output<activation_math::Relu>(v, ko, n, dtype);
-    }
-    return forward_keeping_output<Identity>(v, ko, n, dtype);
-  }
-  switch (activation) {
-    case Activation::relu:  // handled above (no z kept)
-    case Activation::none:
-      MESHTRAIN_FAIL("activation_forward_keeping_16bit: ", to_string(activation),
-                     " keeps no z, handled before the switch");
-    case Activation::tanh:
-      return forward_keeping<activation_math::Tanh>(v, kz, ko, n, dtype);
-    case Activation::gelu:
-      return forward_keeping<activation_math::GeluTanh>(v, kz, ko, n, dtype);
-    case Activation::gelu_erf:
-      return forward_keeping<activation_math::GeluErf>(v, kz, ko, n, dtype);
-    case Activation::silu:
-      return forward_keeping<activation_math::Silu>(v, kz, ko, n, dtype);
-    case Activation::sigmoid:
-      return forward_keeping<activation_math::Sigmoid>(v, kz, ko, n, dtype);
-  }
+  sixteen_bit_passes::activation_forward_keeping(step_path(), activation, z.data(),
+                                                 keeps_z ? kept_z.data() : nullptr, kept_out.data(),
+                                                 n, dtype);
 }
 
 void activation_backward_from_16bit(Activation activation, ConstHalfMatrixView kept,
@@ -982,24 +1126,8 @@ void activation_backward_from_16bit(Activation activation, ConstHalfMatrixView k
   // z, or f(z) for relu and the identity (activation_keeps_16bit_input false): relu's gradient
   // reads only the sign of its argument, which f(z) = max(z, 0) gives exactly (f(z) > 0 exactly
   // where z > 0); the identity's reads nothing.
-  const uint16_t* kz = kept.data();
-  float* g = grad.data();
-  switch (activation) {
-    case Activation::relu:
-      return backward_from<activation_math::Relu>(kz, g, n, dtype);
-    case Activation::tanh:
-      return backward_from<activation_math::Tanh>(kz, g, n, dtype);
-    case Activation::gelu:
-      return backward_from<activation_math::GeluTanh>(kz, g, n, dtype);
-    case Activation::gelu_erf:
-      return backward_from<activation_math::GeluErf>(kz, g, n, dtype);
-    case Activation::silu:
-      return backward_from<activation_math::Silu>(kz, g, n, dtype);
-    case Activation::sigmoid:
-      return backward_from<activation_math::Sigmoid>(kz, g, n, dtype);
-    case Activation::none:
-      return backward_from<Identity>(kz, g, n, dtype);
-  }
+  sixteen_bit_passes::activation_backward_from(step_path(), activation, kept.data(), grad.data(), n,
+                                               dtype);
 }
 
 void swiglu_forward(MatrixView gate, MatrixView value, MatrixView out, Dtype dtype) {

@@ -11,6 +11,7 @@
 #include "framework/core/precision.hpp"
 #include "layers/gradient_reduction.hpp"
 #include "layers/inference.hpp"
+#include "layers/sixteen_bit_passes.hpp"
 #include "partition/gradient_storage.hpp"
 #include "partition/sixteen_bit_storage.hpp"
 
@@ -58,57 +59,63 @@ void copy_columns_to_16bit(MatrixView src, int64_t offset, HalfMatrixView dst, D
 constexpr int64_t kColumnSumChunk = 64;
 
 // out[c] = sum over rows of dy[i * stride + c] for the n columns from dy's first, added row
-// after row: each column's sum is the same additions in the same order as the kernel below
-// (0, then rows 0, 1, ...), so the same bits, but a row's columns are read together and added
-// 16 lanes wide (compiled per instruction set without FMA contraction) where the kernel walks
-// each column down the rows.
-MESHTRAIN_HOST_CLONES_EXACT
-void column_sums_host(const float* dy, int64_t stride, int64_t rows, int64_t n, float* out) {
+// after row, then rounded to the 16-bit format (bf16 or fp16; fp32: not rounded): each column's
+// sum is the same additions in the same order as the kernel below (0, then rows 0, 1, ...) and
+// the same rounding, so the same bits, but a row's columns are read together and added 16 lanes
+// wide (compiled per instruction set without FMA contraction) where the kernel walks each column
+// down the rows.
+template <Dtype dtype>
+MESHTRAIN_INLINE void column_sums(const float* dy, int64_t stride, int64_t rows, int64_t n,
+                                  float* out) {
   float sums[kColumnSumChunk];
   for (int64_t c = 0; c < n; ++c) sums[c] = 0.0f;
   for (int64_t i = 0; i < rows; ++i) {
     const float* __restrict row = dy + i * stride;
     for (int64_t c = 0; c < n; ++c) sums[c] += row[c];
   }
-  for (int64_t c = 0; c < n; ++c) out[c] = sums[c];
+  if constexpr (dtype == Dtype::fp32) {
+    for (int64_t c = 0; c < n; ++c) out[c] = sums[c];
+  } else {
+    for (int64_t c = 0; c < n; ++c) out[c] = round_as<dtype>(sums[c]);
+  }
+}
+
+MESHTRAIN_HOST_CLONES_EXACT
+void column_sums_host(const float* dy, int64_t stride, int64_t rows, int64_t n, float* out,
+                      Dtype dtype) {
+  switch (dtype) {
+    case Dtype::fp32:
+      return column_sums<Dtype::fp32>(dy, stride, rows, n, out);
+    case Dtype::bf16:
+      return column_sums<Dtype::bf16>(dy, stride, rows, n, out);
+    case Dtype::fp16:
+      return column_sums<Dtype::fp16>(dy, stride, rows, n, out);
+  }
+}
+
+// y(i, j) = round(round(y(i, j)) + round(bias[j])) for one row of `cols` (Linear::forward's
+// bias in a 16-bit compute dtype): the kernel's operations per element, 16 lanes at a time.
+template <Dtype dtype>
+MESHTRAIN_INLINE void add_bias_16bit_row(float* __restrict row, const float* __restrict bias,
+                                         int64_t cols) {
+  for (int64_t j = 0; j < cols; ++j) {
+    row[j] = round_as<dtype>(round_as<dtype>(row[j]) + round_as<dtype>(bias[j]));
+  }
+}
+
+MESHTRAIN_HOST_CLONES_EXACT
+void add_bias_16bit_host(float* row, const float* bias, int64_t cols, bool bf16) {
+  if (bf16) return add_bias_16bit_row<Dtype::bf16>(row, bias, cols);
+  add_bias_16bit_row<Dtype::fp16>(row, bias, cols);
+}
+
+sixteen_bit_passes::Path step_path() {
+  return inference::layers_run_host_kernels() ? sixteen_bit_passes::Path::host
+                                              : sixteen_bit_passes::Path::kernel;
 }
 
 void sum_columns_into(MatrixView dy, int64_t offset, VectorView full, Dtype dtype) {
-  const int64_t rows = static_cast<int64_t>(dy.extent(0));
-  const int64_t cols = static_cast<int64_t>(dy.extent(1));
-  if (dtype == Dtype::fp32 && inference::layers_run_host_kernels()) {
-    const std::string& label = MESHTRAIN_LABEL("meshtrain::linear_bias_grad");
-    const int64_t width = static_cast<int64_t>(full.extent(0));
-    const int64_t chunks = (width + kColumnSumChunk - 1) / kColumnSumChunk;
-    const float* d_data = dy.data();
-    const int64_t d_stride = static_cast<int64_t>(dy.stride(0));
-    float* f_data = full.data();
-    Kokkos::parallel_for(
-        label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, chunks),
-        [=](const int64_t chunk) {
-          // Columns [j0, j1) of full; those dy covers are [lo, hi), the others 0.
-          const int64_t j0 = chunk * kColumnSumChunk;
-          const int64_t j1 = std::min(width, j0 + kColumnSumChunk);
-          const int64_t lo = std::max(j0, offset), hi = std::min(j1, offset + cols);
-          for (int64_t j = j0; j < j1; ++j) {
-            if (j < lo || j >= hi) f_data[j] = 0.0f;
-          }
-          if (lo < hi)
-            column_sums_host(d_data + (lo - offset), d_stride, rows, hi - lo, f_data + lo);
-        });
-    inference::fence_after_host_kernel(label);
-    return;
-  }
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::linear_bias_grad"),
-      Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(full.extent(0))),
-      KOKKOS_LAMBDA(const int64_t j) {
-        float sum = 0.0f;
-        if (j >= offset && j < offset + cols) {
-          for (int64_t i = 0; i < rows; ++i) sum += dy(i, j - offset);
-        }
-        full(j) = round_to(sum, dtype);
-      });
+  sixteen_bit_passes::linear_bias_gradient(step_path(), dy, offset, full, dtype);
 }
 
 // dst += src (a free function: nvcc's device lambdas cannot live in private member functions).
@@ -168,6 +175,78 @@ WeightForGemm weight_for_gemm(ShardedParameter& weight, bool reads_16bit, LayerS
 }
 
 }  // namespace
+
+namespace sixteen_bit_passes {
+
+void linear_bias_gradient(Path path, MatrixView dy, int64_t offset, VectorView full, Dtype dtype) {
+  const int64_t rows = static_cast<int64_t>(dy.extent(0));
+  const int64_t cols = static_cast<int64_t>(dy.extent(1));
+  const std::string& label = MESHTRAIN_LABEL("meshtrain::linear_bias_grad");
+  if (path == Path::host) {
+    MESHTRAIN_REQUIRE(inference::layers_run_host_kernels(),
+                      "linear_bias_gradient: the host loop on a build whose layers run no host "
+                      "kernels");
+    const int64_t width = static_cast<int64_t>(full.extent(0));
+    const int64_t chunks = (width + kColumnSumChunk - 1) / kColumnSumChunk;
+    const float* d_data = dy.data();
+    const int64_t d_stride = static_cast<int64_t>(dy.stride(0));
+    float* f_data = full.data();
+    Kokkos::parallel_for(
+        label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, chunks),
+        [=](const int64_t chunk) {
+          // Columns [j0, j1) of full; those dy covers are [lo, hi), the others 0.
+          const int64_t j0 = chunk * kColumnSumChunk;
+          const int64_t j1 = std::min(width, j0 + kColumnSumChunk);
+          const int64_t lo = std::max(j0, offset), hi = std::min(j1, offset + cols);
+          for (int64_t j = j0; j < j1; ++j) {
+            if (j < lo || j >= hi) f_data[j] = 0.0f;
+          }
+          if (lo < hi)
+            column_sums_host(d_data + (lo - offset), d_stride, rows, hi - lo, f_data + lo, dtype);
+        });
+    inference::fence_after_host_kernel(label);
+    return;
+  }
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(full.extent(0))),
+      KOKKOS_LAMBDA(const int64_t j) {
+        float sum = 0.0f;
+        if (j >= offset && j < offset + cols) {
+          for (int64_t i = 0; i < rows; ++i) sum += dy(i, j - offset);
+        }
+        full(j) = round_to(sum, dtype);
+      });
+}
+
+void linear_add_bias(Path path, MatrixView y, const float* b, Dtype dtype) {
+  const std::string& label = MESHTRAIN_LABEL("meshtrain::linear_add_bias");
+  if (path == Path::host) {
+    MESHTRAIN_REQUIRE(
+        dtype != Dtype::fp32 && inference::layers_run_host_kernels(),
+        "linear_add_bias: the host loop is for a 16-bit dtype on a build whose layers "
+        "run host kernels");
+    float* data = y.data();
+    const int64_t ld = static_cast<int64_t>(y.stride(0));
+    const int64_t cols = static_cast<int64_t>(y.extent(1));
+    const bool bf16 = dtype == Dtype::bf16;
+    Kokkos::parallel_for(
+        label,
+        Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0,
+                                                               static_cast<int64_t>(y.extent(0))),
+        [=](const int64_t i) { add_bias_16bit_host(data + i * ld, b, cols, bf16); });
+    inference::fence_after_host_kernel(label);
+    return;
+  }
+  Kokkos::parallel_for(
+      label,
+      Range2(device_space(), {0, 0},
+             {static_cast<int64_t>(y.extent(0)), static_cast<int64_t>(y.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        y(i, j) = round_to(round_to(y(i, j), dtype) + round_to(b[j], dtype), dtype);
+      });
+}
+
+}  // namespace sixteen_bit_passes
 
 Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout input_layout,
                int64_t rows, ParallelContext& context, bool input_grad_partial,
@@ -409,13 +488,9 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
     inference::add_bias(y, b);  // per-ISA clones, the same sums
     return y;
   }
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::linear_add_bias"),
-      Range2(device_space(), {0, 0},
-             {static_cast<int64_t>(y.extent(0)), static_cast<int64_t>(y.extent(1))}),
-      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-        y(i, j) = round_to(round_to(y(i, j), dtype) + round_to(b[j], dtype), dtype);
-      });
+  // In 16 bits per-ISA host clones where the layers run host kernels (sixteen_bit_passes.hpp).
+  sixteen_bit_passes::linear_add_bias(
+      dtype == Dtype::fp32 ? sixteen_bit_passes::Path::kernel : step_path(), y, b, dtype);
   return y;
 }
 

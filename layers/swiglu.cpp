@@ -6,10 +6,13 @@
 #include "base/error.hpp"
 #include "framework/core/activation_math.hpp"
 #include "framework/core/exec_space.hpp"
+#include "framework/core/host_clones.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
 #include "layers/activation.hpp"
+#include "layers/inference.hpp"
+#include "layers/sixteen_bit_passes.hpp"
 
 namespace meshtrain {
 namespace {
@@ -17,8 +20,9 @@ namespace {
 // swiglu_forward's value (activation_math::swiglu_value) from gate and value holding
 // 16-bit values, keeping both and the output as 16-bit bits, the output also written over value
 // (what the down projection reads), in one pass.
-void swiglu_forward_keeping_16bit(MatrixView gate, MatrixView value, HalfMatrixView kept_gate,
-                                  HalfMatrixView kept_value, HalfMatrixView kept_out, Dtype dtype) {
+void swiglu_forward_keeping_kernel(MatrixView gate, MatrixView value, HalfMatrixView kept_gate,
+                                   HalfMatrixView kept_value, HalfMatrixView kept_out,
+                                   Dtype dtype) {
   const int64_t cols = static_cast<int64_t>(value.extent(1));
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::swiglu_forward_keeping_16bit"),
@@ -37,8 +41,8 @@ void swiglu_forward_keeping_16bit(MatrixView gate, MatrixView value, HalfMatrixV
 
 // swiglu_backward's gradients (activation_math::swiglu_gradients) from the kept 16-bit gate and
 // value: dgate into `dgate`, dvalue in place over dy.
-void swiglu_backward_from_16bit(ConstHalfMatrixView kept_gate, ConstHalfMatrixView kept_value,
-                                MatrixView dy, MatrixView dgate, Dtype dtype) {
+void swiglu_backward_from_kernel(ConstHalfMatrixView kept_gate, ConstHalfMatrixView kept_value,
+                                 MatrixView dy, MatrixView dgate, Dtype dtype) {
   const int64_t cols = static_cast<int64_t>(dy.extent(1));
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::swiglu_backward_from_16bit"),
@@ -54,7 +58,140 @@ void swiglu_backward_from_16bit(ConstHalfMatrixView kept_gate, ConstHalfMatrixVi
       });
 }
 
+// The same two for one row of host memory, compiled per instruction set without FMA
+// contraction, the format a template argument (layers/sixteen_bit_passes.hpp): the kernels'
+// operations per element, 16 lanes at a time on AVX-512. gate and value (dy and dgate) are
+// distinct buffers, the kept ones distinct arrays (__restrict).
+template <Dtype dtype>
+MESHTRAIN_INLINE void forward_keeping_row(const float* __restrict gate, float* __restrict value,
+                                          uint16_t* __restrict kept_gate,
+                                          uint16_t* __restrict kept_value,
+                                          uint16_t* __restrict kept_out, int64_t cols) {
+  for (int64_t j = 0; j < cols; ++j) {
+    const float g = gate[j], u = value[j];
+    const uint16_t out = to_16bit_as<dtype>(activation_math::swiglu_value(g, u));
+    kept_gate[j] = to_16bit_as<dtype>(g);
+    kept_value[j] = to_16bit_as<dtype>(u);
+    kept_out[j] = out;
+    value[j] = from_16bit_as<dtype>(out);
+  }
+}
+template <Dtype dtype>
+MESHTRAIN_INLINE void backward_from_row(const uint16_t* __restrict kept_gate,
+                                        const uint16_t* __restrict kept_value, float* __restrict dy,
+                                        float* __restrict dgate, int64_t cols) {
+  for (int64_t j = 0; j < cols; ++j) {
+    const float g = from_16bit_as<dtype>(kept_gate[j]), d = dy[j];
+    const float u = from_16bit_as<dtype>(kept_value[j]);
+    const activation_math::SwigluGradients grad = activation_math::swiglu_gradients(g, u, d);
+    dgate[j] = round_as<dtype>(grad.gate);
+    dy[j] = round_as<dtype>(grad.value);
+  }
+}
+
+MESHTRAIN_HOST_CLONES_EXACT
+void forward_keeping_row_host(const float* gate, float* value, uint16_t* kept_gate,
+                              uint16_t* kept_value, uint16_t* kept_out, int64_t cols, bool bf16) {
+  if (bf16) {
+    return forward_keeping_row<Dtype::bf16>(gate, value, kept_gate, kept_value, kept_out, cols);
+  }
+  forward_keeping_row<Dtype::fp16>(gate, value, kept_gate, kept_value, kept_out, cols);
+}
+
+MESHTRAIN_HOST_CLONES_EXACT
+void backward_from_row_host(const uint16_t* kept_gate, const uint16_t* kept_value, float* dy,
+                            float* dgate, int64_t cols, bool bf16) {
+  if (bf16) return backward_from_row<Dtype::bf16>(kept_gate, kept_value, dy, dgate, cols);
+  backward_from_row<Dtype::fp16>(kept_gate, kept_value, dy, dgate, cols);
+}
+
+void require_host(const char* who) {
+  MESHTRAIN_REQUIRE(inference::layers_run_host_kernels(), who,
+                    ": the host loop on a build whose layers run no host kernels");
+}
+
+sixteen_bit_passes::Path step_path() {
+  return inference::layers_run_host_kernels() ? sixteen_bit_passes::Path::host
+                                              : sixteen_bit_passes::Path::kernel;
+}
+
+void swiglu_forward_keeping_16bit(MatrixView gate, MatrixView value, HalfMatrixView kept_gate,
+                                  HalfMatrixView kept_value, HalfMatrixView kept_out, Dtype dtype) {
+  sixteen_bit_passes::swiglu_forward_keeping(step_path(), gate, value, kept_gate, kept_value,
+                                             kept_out, dtype);
+}
+
+void swiglu_backward_from_16bit(ConstHalfMatrixView kept_gate, ConstHalfMatrixView kept_value,
+                                MatrixView dy, MatrixView dgate, Dtype dtype) {
+  sixteen_bit_passes::swiglu_backward_from(step_path(), kept_gate, kept_value, dy, dgate, dtype);
+}
+
 }  // namespace
+
+namespace sixteen_bit_passes {
+
+void swiglu_forward_keeping(Path path, MatrixView gate, MatrixView value, HalfMatrixView kept_gate,
+                            HalfMatrixView kept_value, HalfMatrixView kept_out, Dtype dtype) {
+  MESHTRAIN_REQUIRE(dtype != Dtype::fp32 && kept_gate.span_is_contiguous() &&
+                        kept_value.span_is_contiguous() && kept_out.span_is_contiguous(),
+                    "swiglu_forward_keeping_16bit: a 16-bit dtype and contiguous kept arrays");
+  if (path == Path::kernel) {
+    return swiglu_forward_keeping_kernel(gate, value, kept_gate, kept_value, kept_out, dtype);
+  }
+  require_host("swiglu_forward_keeping_16bit");
+  MESHTRAIN_REQUIRE(gate.data() != value.data(),
+                    "swiglu_forward_keeping_16bit: gate and value share memory");
+  const std::string& label = MESHTRAIN_LABEL("meshtrain::swiglu_forward_keeping_16bit");
+  const float* g = gate.data();
+  float* v = value.data();
+  uint16_t* kg = kept_gate.data();
+  uint16_t* kv = kept_value.data();
+  uint16_t* ko = kept_out.data();
+  const auto g_ld = static_cast<int64_t>(gate.stride(0));
+  const auto v_ld = static_cast<int64_t>(value.stride(0));
+  const auto cols = static_cast<int64_t>(value.extent(1));
+  const bool bf16 = dtype == Dtype::bf16;
+  Kokkos::parallel_for(label,
+                       Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(
+                           host_space(), 0, static_cast<int64_t>(value.extent(0))),
+                       [=](const int64_t i) {
+                         forward_keeping_row_host(g + i * g_ld, v + i * v_ld, kg + i * cols,
+                                                  kv + i * cols, ko + i * cols, cols, bf16);
+                       });
+  inference::fence_after_host_kernel(label);
+}
+
+void swiglu_backward_from(Path path, ConstHalfMatrixView kept_gate, ConstHalfMatrixView kept_value,
+                          MatrixView dy, MatrixView dgate, Dtype dtype) {
+  MESHTRAIN_REQUIRE(
+      dtype != Dtype::fp32 && kept_gate.span_is_contiguous() && kept_value.span_is_contiguous(),
+      "swiglu_backward_from_16bit: a 16-bit dtype and contiguous kept arrays");
+  if (path == Path::kernel) {
+    return swiglu_backward_from_kernel(kept_gate, kept_value, dy, dgate, dtype);
+  }
+  require_host("swiglu_backward_from_16bit");
+  MESHTRAIN_REQUIRE(dy.data() != dgate.data(),
+                    "swiglu_backward_from_16bit: dy and dgate share memory");
+  const std::string& label = MESHTRAIN_LABEL("meshtrain::swiglu_backward_from_16bit");
+  const uint16_t* kg = kept_gate.data();
+  const uint16_t* kv = kept_value.data();
+  float* d = dy.data();
+  float* dg = dgate.data();
+  const auto d_ld = static_cast<int64_t>(dy.stride(0));
+  const auto dg_ld = static_cast<int64_t>(dgate.stride(0));
+  const auto cols = static_cast<int64_t>(dy.extent(1));
+  const bool bf16 = dtype == Dtype::bf16;
+  Kokkos::parallel_for(label,
+                       Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(
+                           host_space(), 0, static_cast<int64_t>(dy.extent(0))),
+                       [=](const int64_t i) {
+                         backward_from_row_host(kg + i * cols, kv + i * cols, d + i * d_ld,
+                                                dg + i * dg_ld, cols, bf16);
+                       });
+  inference::fence_after_host_kernel(label);
+}
+
+}  // namespace sixteen_bit_passes
 
 SwiGlu::SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<Linear> up,
                int64_t rows, Dtype dtype, Communicator* shared_gather, bool keeps_16bit)

@@ -21,8 +21,9 @@ meshtrain_add_test(NAME core_device_memory_emulation_test
                    LIBS meshtrain_framework NP 1 2 TIMEOUT 60 EMULATED)
 # No FMA in the per-ISA clones compiled without contraction (MESHTRAIN_HOST_CLONES_EXACT,
 # framework/core/host_clones.hpp): the built libraries' x86-64-v3/v4 clones of the optimizer,
-# precision, the MPI ring's sums, the activations' training kernels and the Linear's bias
-# gradient, disassembled by objdump
+# precision, the MPI ring's sums, the activations' training kernels (their 16-bit passes too),
+# the Linear's bias gradient and 16-bit bias add and the SwiGLU's 16-bit passes, disassembled by
+# objdump
 # (tests/core/host_clones_fma.py; about 1 s). Skipped (77) without objdump or where the build
 # has no clones (clang, nvcc, GCC before 12, not x86-64). Where host_clones.hpp's #if makes
 # clones (GCC >= 12, not clang, x86-64, no Kokkos CUDA so no nvcc), --expect-clones makes a
@@ -39,7 +40,7 @@ meshtrain_add_command_test(NAME core_host_clones_fma TIMEOUT 60
   COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/core/host_clones_fma.py
           ${_host_clones_flags} "--objdump=${CMAKE_OBJDUMP}" "--ar=${CMAKE_AR}"
           $<TARGET_FILE:meshtrain_framework> optimizer.cpp.o precision.cpp.o mpi_ring.cpp.o --
-          $<TARGET_FILE:meshtrain_layers> activation.cpp.o linear.cpp.o)
+          $<TARGET_FILE:meshtrain_layers> activation.cpp.o linear.cpp.o swiglu.cpp.o)
 set_tests_properties(core_host_clones_fma PROPERTIES SKIP_RETURN_CODE ${MESHTRAIN_TEST_SKIP_CODE})
 # Philox-4x32-10 (framework/core/philox.hpp) against Random123's known-answer vectors.
 meshtrain_add_test(NAME core_philox_test SOURCES core/philox_test.cpp

@@ -9,6 +9,13 @@ meshtrain_add_test(NAME layers_init_test SOURCES layers/init_test.cpp
 # SwiGLU layer's and MoE experts' silu jet (activation_math::silu_jet) against float64.
 meshtrain_add_test(NAME layers_activation_fast_math_test SOURCES layers/activation_fast_math_test.cpp
                    LIBS meshtrain_framework TIMEOUT 300)
+# The training step's 16-bit elementwise passes (layers/sixteen_bit_passes.hpp: the activations'
+# forward keeping 16 bits and backward from them, the Linear's 16-bit bias add and bias
+# gradient): the per-ISA host loops give the Kokkos kernels' bits on rounding edge cases, every
+# activation, bf16 and fp16. One rank (no communication); skipped where the layers run no host
+# kernels.
+meshtrain_add_test(NAME layers_sixteen_bit_passes_test SOURCES layers/sixteen_bit_passes_test.cpp
+                   LIBS meshtrain_layers TIMEOUT 60)
 meshtrain_add_test(NAME layers_mlp_test SOURCES layers/mlp_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300 BACKENDS mpi nccl EMULATED)
 # Training on derivatives (Sobolev training, docs/derivatives.md): the gradient of the derivative
