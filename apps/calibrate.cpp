@@ -86,6 +86,22 @@ double slowest_timed(int repeats, Fn fn, Until until = Until::own_end) {
   return t;
 }
 
+// Calls a second of `once` (its work queued, then fenced), every rank at once as in the step:
+// repeated about 20 ms a timing (rank 0's count, so that every rank runs as many), the slowest
+// rank's median of 5 timings.
+template <class Once>
+double calls_per_second(Once&& once) {
+  int calls = 1;
+  auto run = [&] {
+    for (int i = 0; i < calls; ++i) once();
+    Kokkos::fence();
+  };
+  const double first = timed(1, run, Until::all_ends);
+  calls = static_cast<int>(std::clamp(0.02 / std::max(first, 1e-9), 1.0, 1000.0));
+  check_mpi(MPI_Bcast(&calls, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  return calls / slowest_timed(5, run, Until::all_ends);
+}
+
 // The three GEMMs of a layer's training step at [256 rows, 2048 -> 2048]: forward x @ W,
 // weight gradient xᵀ @ dY (K = the rows) and input gradient dY @ Wᵀ, timed together: their
 // FLOPs over their time (a short K runs slower than the square case).
@@ -120,15 +136,7 @@ std::vector<GemmRate> measure_gemm_rates(const std::vector<GemmShape>& shapes) {
     Kokkos::deep_copy(a, 0.5f);
     Kokkos::deep_copy(b, 0.25f);
     const GemmOperand op_a{a, g.transpose_a}, op_b{b, g.transpose_b};
-    int calls = 1;  // per timing: about 20 ms of them (rank 0's count, so all run as many)
-    auto run = [&] {
-      for (int i = 0; i < calls; ++i) gemm(op_a, op_b, 0.0f, c);
-      Kokkos::fence();
-    };
-    const double first = timed(1, run, Until::all_ends);
-    calls = static_cast<int>(std::clamp(0.02 / std::max(first, 1e-9), 1.0, 1000.0));
-    check_mpi(MPI_Bcast(&calls, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
-    rates.push_back({g, calls * g.flops() / slowest_timed(5, run, Until::all_ends)});
+    rates.push_back({g, g.flops() * calls_per_second([&] { gemm(op_a, op_b, 0.0f, c); })});
   }
   return rates;
 }
@@ -165,16 +173,7 @@ std::map<std::string, double> measure_elementwise_rates(const ShardingPlan& plan
       });
   const std::string name = model.activation_name();
   auto measure = [&](const std::string& kernel, auto&& once) {
-    int calls = 1;  // per timing: about 20 ms of them (rank 0's count, so all run as many)
-    auto run = [&] {
-      for (int k = 0; k < calls; ++k) once();
-      Kokkos::fence();
-    };
-    const double first = timed(1, run, Until::all_ends);
-    calls = static_cast<int>(std::clamp(0.02 / std::max(first, 1e-9), 1.0, 1000.0));
-    check_mpi(MPI_Bcast(&calls, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
-    rates[kernel] =
-        calls * static_cast<double>(rows * cols) / slowest_timed(5, run, Until::all_ends);
+    rates[kernel] = static_cast<double>(rows * cols) * calls_per_second(once);
   };
   if (model.swiglu) {
     measure("swiglu_forward", [&] { swiglu_forward(a, b, d); });
@@ -218,15 +217,7 @@ std::map<std::string, double> measure_dlrm_dot_rates(const DlrmShape& shape, int
   Kokkos::deep_copy(out, 0.5f);
   const double multiply_adds = static_cast<double>(rows * pairs * d);
   auto measure = [&](const std::string& kernel, double elements, auto&& once) {
-    int calls = 1;  // as measure_elementwise_rates: about 20 ms a timing, rank 0's count
-    auto run = [&] {
-      for (int k = 0; k < calls; ++k) once();
-      Kokkos::fence();
-    };
-    const double first = timed(1, run, Until::all_ends);
-    calls = static_cast<int>(std::clamp(0.02 / std::max(first, 1e-9), 1.0, 1000.0));
-    check_mpi(MPI_Bcast(&calls, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
-    rates[kernel] = calls * elements / slowest_timed(5, run, Until::all_ends);
+    rates[kernel] = elements * calls_per_second(once);
   };
   // The forward writes `out`; the backward reads it as the gradient (values near 0.5) and
   // writes `grads` whole, so every call is the same work.
