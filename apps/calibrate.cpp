@@ -31,6 +31,7 @@
 #include "layers/activation.hpp"
 #include "layers/dlrm.hpp"  // dlrm_dot_interaction
 #include "partition/cost_model.hpp"
+#include "partition/dlrm_shape.hpp"
 #include "run/dlrm_read_timing.hpp"
 
 namespace meshtrain {
@@ -204,9 +205,9 @@ std::map<std::string, double> measure_dlrm_dot_rates(const DlrmShape& shape, int
   if (shape.interaction != DlrmInteraction::dot || rows <= 0) return rates;
   const int64_t d = shape.bottom.back();
   const auto blocks = static_cast<int64_t>(shape.tables.size()) + 1;
-  const int64_t pairs = blocks * (blocks - 1) / 2;
+  const int64_t width = dlrm_interaction_width(shape), pairs = width - d;
   Matrix features("meshtrain::calibrate_dlrm_features", rows, blocks * d);
-  Matrix out("meshtrain::calibrate_dlrm_out", rows, d + pairs);
+  Matrix out("meshtrain::calibrate_dlrm_out", rows, width);
   Matrix grads("meshtrain::calibrate_dlrm_grads", rows, blocks * d);
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::calibrate_dlrm_fill"),
@@ -623,7 +624,7 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   profile.gemm_flops = measure_gemm_flops();
   if (plan) profile.gemm_rates = measure_gemm_rates(step_gemm_shapes(*plan));
   if (plan) profile.elementwise_rates = measure_elementwise_rates(*plan, *model);
-  if (plan && dlrm) {
+  if (dlrm) {
     for (const auto& [kernel, rate] :
          measure_dlrm_dot_rates(dlrm->model.dlrm(), plan->local_batch_rows)) {
       profile.elementwise_rates[kernel] = rate;
@@ -631,7 +632,7 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   }
   profile.memory_bandwidth = measure_memory_bandwidth();
   std::ostringstream measured;
-  if (dlrm) measure_data_read(*dlrm, plan ? plan->local_batch_rows : 0, world, profile, measured);
+  if (dlrm) measure_data_read(*dlrm, plan->local_batch_rows, world, profile, measured);
   measured
       << "clock = \"" << clock << "\"\nranks = " << world << "\nmesh = \""
       << mesh->short_description() << "\"\nhost = \"" << host_name() << "\"\n"

@@ -41,9 +41,11 @@ void take_columns(MatrixView from, MatrixView to, int64_t first) {
       KOKKOS_LAMBDA(const int64_t r, const int64_t c) { to(r, c) = from(r, first + c); });
 }
 
+}  // namespace
+
 // dot: out = [z, F_i . F_j for i = 1 .. blocks-1, j < i] from the features [z, e_1, ..] (each
 // d wide), one row per thread, the pairs in that order.
-void dot_interaction(MatrixView features, MatrixView out, int64_t d, int64_t blocks) {
+void dlrm_dot_interaction(MatrixView features, MatrixView out, int64_t d, int64_t blocks) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::dlrm_dot"), device_range(0, static_cast<int64_t>(out.extent(0))),
       KOKKOS_LAMBDA(const int64_t r) {
@@ -61,8 +63,8 @@ void dot_interaction(MatrixView features, MatrixView out, int64_t d, int64_t blo
 
 // Its backward: d/dF_i of F_i . F_j is F_j and d/dF_j is F_i; per row, the pairs in forward's
 // order, z's own columns passed through.
-void dot_interaction_backward(MatrixView features, MatrixView g, MatrixView grads, int64_t d,
-                              int64_t blocks) {
+void dlrm_dot_interaction_backward(MatrixView features, MatrixView g, MatrixView grads, int64_t d,
+                                   int64_t blocks) {
   const int64_t width = static_cast<int64_t>(grads.extent(1));
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::dlrm_dot_backward"),
@@ -79,17 +81,6 @@ void dot_interaction_backward(MatrixView features, MatrixView g, MatrixView grad
           }
         }
       });
-}
-
-}  // namespace
-
-void dlrm_dot_interaction(MatrixView features, MatrixView out, int64_t d, int64_t blocks) {
-  dot_interaction(features, out, d, blocks);
-}
-
-void dlrm_dot_interaction_backward(MatrixView features, MatrixView g, MatrixView grads, int64_t d,
-                                   int64_t blocks) {
-  dot_interaction_backward(features, g, grads, d, blocks);
 }
 
 Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec_of,
@@ -350,7 +341,7 @@ void Dlrm::interact() {
   if (shape_.interaction == DlrmInteraction::cat) {
     take_columns(features_, top_input_, 0);
   } else {
-    dot_interaction(features_, top_input_, width_d_, static_cast<int64_t>(tables_.size()) + 1);
+    dlrm_dot_interaction(features_, top_input_, width_d_, static_cast<int64_t>(tables_.size()) + 1);
   }
 }
 
@@ -358,8 +349,8 @@ void Dlrm::interact_backward(MatrixView top_input_grad) {
   if (shape_.interaction == DlrmInteraction::cat) {
     take_columns(top_input_grad, feature_grads_, 0);
   } else {
-    dot_interaction_backward(features_, top_input_grad, feature_grads_, width_d_,
-                             static_cast<int64_t>(tables_.size()) + 1);
+    dlrm_dot_interaction_backward(features_, top_input_grad, feature_grads_, width_d_,
+                                  static_cast<int64_t>(tables_.size()) + 1);
   }
   // Each block's gradient into its own buffer (the layers below take whole matrices).
   take_columns(feature_grads_, dz_, 0);

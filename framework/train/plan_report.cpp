@@ -15,6 +15,7 @@
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/train/config.hpp"
+#include "partition/dlrm_shape.hpp"
 #include "partition/embedding_layout.hpp"
 #include "partition/sharding_picture.hpp"
 
@@ -1021,8 +1022,7 @@ void add_dlrm_interaction(const DlrmShape& shape, int64_t rows, const HardwarePr
   };
   if (shape.interaction == DlrmInteraction::dot) {
     const int64_t d = shape.bottom.back();
-    const auto blocks = static_cast<int64_t>(shape.tables.size()) + 1;
-    const int64_t pairs = blocks * (blocks - 1) / 2;
+    const int64_t pairs = dlrm_interaction_width(shape) - d;
     const double mads = r * static_cast<double>(pairs * d);
     const std::string shape_text = " [" + std::to_string(rows) + " x " + std::to_string(pairs) +
                                    " pairs x " + std::to_string(d) + "]";
