@@ -1047,14 +1047,18 @@ void backward_from_kernel(Activation activation, const uint16_t* kz, float* g, i
   }
 }
 
-sixteen_bit_passes::Path step_path() {
-  return inference::layers_run_host_kernels() ? sixteen_bit_passes::Path::host
-                                              : sixteen_bit_passes::Path::kernel;
-}
-
 }  // namespace
 
 namespace sixteen_bit_passes {
+
+Path step_path() {
+  return inference::layers_run_host_kernels() ? Path::host : Path::kernel;
+}
+
+void require_host(const char* who) {
+  MESHTRAIN_REQUIRE(inference::layers_run_host_kernels(), who,
+                    ": the host loop on a build whose layers run no host kernels");
+}
 
 void activation_forward_keeping(Path path, Activation activation, float* values, uint16_t* kept_z,
                                 uint16_t* kept_out, int64_t n, Dtype dtype) {
@@ -1065,9 +1069,7 @@ void activation_forward_keeping(Path path, Activation activation, float* values,
       to_string(activation), "'s backward reads it");
   if (path == Path::kernel)
     return forward_keeping_kernel(activation, values, kept_z, kept_out, n, dtype);
-  MESHTRAIN_REQUIRE(inference::layers_run_host_kernels(),
-                    "activation_forward_keeping_16bit: the host loop on a build whose layers run "
-                    "no host kernels");
+  require_host("activation_forward_keeping_16bit");
   const bool bf16 = dtype == Dtype::bf16;
   for_host_chunks(MESHTRAIN_LABEL("meshtrain::activation_forward_keeping_16bit"), n,
                   [=](int64_t begin, int64_t end) {
@@ -1082,9 +1084,7 @@ void activation_backward_from(Path path, Activation activation, const uint16_t* 
   MESHTRAIN_REQUIRE(dtype != Dtype::fp32,
                     "activation_backward_from_16bit: a 16-bit dtype is needed");
   if (path == Path::kernel) return backward_from_kernel(activation, kept, grads, n, dtype);
-  MESHTRAIN_REQUIRE(inference::layers_run_host_kernels(),
-                    "activation_backward_from_16bit: the host loop on a build whose layers run "
-                    "no host kernels");
+  require_host("activation_backward_from_16bit");
   const bool bf16 = dtype == Dtype::bf16;
   for_host_chunks(MESHTRAIN_LABEL("meshtrain::activation_backward_from_16bit"), n,
                   [=](int64_t begin, int64_t end) {
@@ -1111,9 +1111,9 @@ void activation_forward_keeping_16bit(Activation activation, MatrixView z, HalfM
                     "activation_forward_keeping_16bit: ", to_string(activation),
                     " keeps no z (its backward reads the kept output): "
                     "kept_z must be empty");
-  sixteen_bit_passes::activation_forward_keeping(step_path(), activation, z.data(),
-                                                 keeps_z ? kept_z.data() : nullptr, kept_out.data(),
-                                                 n, dtype);
+  sixteen_bit_passes::activation_forward_keeping(sixteen_bit_passes::step_path(), activation,
+                                                 z.data(), keeps_z ? kept_z.data() : nullptr,
+                                                 kept_out.data(), n, dtype);
 }
 
 void activation_backward_from_16bit(Activation activation, ConstHalfMatrixView kept,
@@ -1126,8 +1126,8 @@ void activation_backward_from_16bit(Activation activation, ConstHalfMatrixView k
   // z, or f(z) for relu and the identity (activation_keeps_16bit_input false): relu's gradient
   // reads only the sign of its argument, which f(z) = max(z, 0) gives exactly (f(z) > 0 exactly
   // where z > 0); the identity's reads nothing.
-  sixteen_bit_passes::activation_backward_from(step_path(), activation, kept.data(), grad.data(), n,
-                                               dtype);
+  sixteen_bit_passes::activation_backward_from(sixteen_bit_passes::step_path(), activation,
+                                               kept.data(), grad.data(), n, dtype);
 }
 
 void swiglu_forward(MatrixView gate, MatrixView value, MatrixView out, Dtype dtype) {

@@ -109,13 +109,9 @@ void add_bias_16bit_host(float* row, const float* bias, int64_t cols, bool bf16)
   add_bias_16bit_row<Dtype::fp16>(row, bias, cols);
 }
 
-sixteen_bit_passes::Path step_path() {
-  return inference::layers_run_host_kernels() ? sixteen_bit_passes::Path::host
-                                              : sixteen_bit_passes::Path::kernel;
-}
-
 void sum_columns_into(MatrixView dy, int64_t offset, VectorView full, Dtype dtype) {
-  sixteen_bit_passes::linear_bias_gradient(step_path(), dy, offset, full, dtype);
+  sixteen_bit_passes::linear_bias_gradient(sixteen_bit_passes::step_path(), dy, offset, full,
+                                           dtype);
 }
 
 // dst += src (a free function: nvcc's device lambdas cannot live in private member functions).
@@ -183,9 +179,7 @@ void linear_bias_gradient(Path path, MatrixView dy, int64_t offset, VectorView f
   const int64_t cols = static_cast<int64_t>(dy.extent(1));
   const std::string& label = MESHTRAIN_LABEL("meshtrain::linear_bias_grad");
   if (path == Path::host) {
-    MESHTRAIN_REQUIRE(inference::layers_run_host_kernels(),
-                      "linear_bias_gradient: the host loop on a build whose layers run no host "
-                      "kernels");
+    require_host("linear_bias_gradient");
     const int64_t width = static_cast<int64_t>(full.extent(0));
     const int64_t chunks = (width + kColumnSumChunk - 1) / kColumnSumChunk;
     const float* d_data = dy.data();
@@ -489,8 +483,7 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
     return y;
   }
   // In 16 bits per-ISA host clones where the layers run host kernels (sixteen_bit_passes.hpp).
-  sixteen_bit_passes::linear_add_bias(
-      dtype == Dtype::fp32 ? sixteen_bit_passes::Path::kernel : step_path(), y, b, dtype);
+  sixteen_bit_passes::linear_add_bias(sixteen_bit_passes::step_path(), y, b, dtype);
   return y;
 }
 

@@ -22,6 +22,12 @@ namespace meshtrain::sixteen_bit_passes {
 
 enum class Path { kernel, host };
 
+// The training step's path: the host loops where the layers run their host kernels
+// (inference::layers_run_host_kernels()), else the Kokkos kernels.
+Path step_path();
+// Refuses the host loop on a build whose layers run no host kernels (`who`: the pass).
+void require_host(const char* who);
+
 // values[k] = f(values[k]) rounded to `dtype` (bf16 or fp16), its 16 bits into kept_out[k] and,
 // where kept_z is not null, values[k]'s own 16 bits into kept_z[k] (values hold `dtype` values).
 // One kernel labelled "meshtrain::activation_forward_keeping_16bit".

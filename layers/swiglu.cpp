@@ -105,25 +105,16 @@ void backward_from_row_host(const uint16_t* kept_gate, const uint16_t* kept_valu
   backward_from_row<Dtype::fp16>(kept_gate, kept_value, dy, dgate, cols);
 }
 
-void require_host(const char* who) {
-  MESHTRAIN_REQUIRE(inference::layers_run_host_kernels(), who,
-                    ": the host loop on a build whose layers run no host kernels");
-}
-
-sixteen_bit_passes::Path step_path() {
-  return inference::layers_run_host_kernels() ? sixteen_bit_passes::Path::host
-                                              : sixteen_bit_passes::Path::kernel;
-}
-
 void swiglu_forward_keeping_16bit(MatrixView gate, MatrixView value, HalfMatrixView kept_gate,
                                   HalfMatrixView kept_value, HalfMatrixView kept_out, Dtype dtype) {
-  sixteen_bit_passes::swiglu_forward_keeping(step_path(), gate, value, kept_gate, kept_value,
-                                             kept_out, dtype);
+  sixteen_bit_passes::swiglu_forward_keeping(sixteen_bit_passes::step_path(), gate, value,
+                                             kept_gate, kept_value, kept_out, dtype);
 }
 
 void swiglu_backward_from_16bit(ConstHalfMatrixView kept_gate, ConstHalfMatrixView kept_value,
                                 MatrixView dy, MatrixView dgate, Dtype dtype) {
-  sixteen_bit_passes::swiglu_backward_from(step_path(), kept_gate, kept_value, dy, dgate, dtype);
+  sixteen_bit_passes::swiglu_backward_from(sixteen_bit_passes::step_path(), kept_gate, kept_value,
+                                           dy, dgate, dtype);
 }
 
 }  // namespace
