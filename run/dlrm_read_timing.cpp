@@ -71,13 +71,15 @@ DlrmReadTiming measure_dlrm_read(const RunConfig& config, int64_t rows, MPI_Comm
   const auto push_out = [&](int b) {
     for (size_t i = 0; i < evict.size(); i += 64) evict[i] = static_cast<char>(evict[i] + b);
   };
-  {
-    // Collective, agreeing on its own errors (a missing table names the file).
-    SparseHdf5Reader reader(t.file, tables, rows, -1, comm, config.data.sparse_key);
-    on_every_rank(comm,
-                  [&] { check_dlrm_sparse_data(config, reader, source->shape().num_samples); });
-    std::vector<double> dense_s, sparse_s;
+  // `batches` timed reads of `reader`'s tables after kWarm untimed ones, each pushed out of the
+  // cache first: the sparse read's seconds and the ids each read, and then after_agree(rows of
+  // the batch, whether it is timed).
+  struct SparseTimes {
+    std::vector<double> seconds;
     double ids = 0.0;
+  };
+  const auto time_sparse = [&](SparseHdf5Reader& reader, auto&& after_agree) {
+    SparseTimes times;
     for (int b = 0; b < batches + kWarm; ++b) {
       const std::vector<int64_t>& r = all[static_cast<size_t>(b)];
       push_out(b);
@@ -85,44 +87,46 @@ DlrmReadTiming measure_dlrm_read(const RunConfig& config, int64_t rows, MPI_Comm
       const SparseHdf5Reader::Problem problem = reader.read_unagreed(r.data(), rows);
       const double t1 = clock();
       // As DlrmRun::read_rows: the ids' checks agreed first (collective: a bad id is refused as
-      // the run refuses it), then the dense rows; a dense row one rank cannot read is agreed
-      // on here, so every rank ends with its one sentence before the next collective.
+      // the run refuses it), then the dense rows.
       reader.agree(problem);
+      after_agree(r, b >= kWarm);
+      if (b < kWarm) continue;
+      times.seconds.push_back(t1 - t0);
+      for (size_t k = 0; k < reader.tables().size(); ++k) {
+        times.ids += static_cast<double>(reader.batch(k).ids());
+      }
+    }
+    return times;
+  };
+  {
+    // Collective, agreeing on its own errors (a missing table names the file).
+    SparseHdf5Reader reader(t.file, tables, rows, -1, comm, config.data.sparse_key);
+    on_every_rank(comm,
+                  [&] { check_dlrm_sparse_data(config, reader, source->shape().num_samples); });
+    std::vector<double> dense_s;
+    const SparseTimes sparse = time_sparse(reader, [&](const std::vector<int64_t>& r, bool timed) {
+      // A dense row one rank cannot read is agreed on here, so every rank ends with its one
+      // sentence before the next collective.
       double t2 = 0.0, t3 = 0.0;
       on_every_rank(comm, [&] {
         t2 = clock();
         source->read(r.data(), rows, RowBuffers{dense.data(), nullptr, targets.data()});
         t3 = clock();
       });
-      if (b < kWarm) continue;
-      sparse_s.push_back(t1 - t0);
-      dense_s.push_back(t3 - t2);
-      for (size_t k = 0; k < tables.size(); ++k) ids += static_cast<double>(reader.batch(k).ids());
-    }
+      if (timed) dense_s.push_back(t3 - t2);
+    });
     t.dense_batches = dense_s;
     t.dense_s = median(dense_s);
-    t.sparse_s = median(sparse_s);
-    t.ids_per_batch = ids / batches;
+    t.sparse_s = median(sparse.seconds);
+    t.ids_per_batch = sparse.ids / batches;
   }
   // A table alone would also stay in the cache from one batch to the next (measured on the build
   // machine: a quarter of the time per element): pushed out the same way.
   for (const std::string& name : tables) {
     SparseHdf5Reader reader(t.file, {name}, rows, -1, comm, config.data.sparse_key);
-    std::vector<double> s;
-    double ids = 0.0;
-    for (int b = 0; b < batches + kWarm; ++b) {
-      const std::vector<int64_t>& r = all[static_cast<size_t>(b)];
-      push_out(b);
-      const double t0 = clock();
-      const SparseHdf5Reader::Problem problem = reader.read_unagreed(r.data(), rows);
-      const double t1 = clock();
-      reader.agree(problem);
-      if (b < kWarm) continue;
-      s.push_back(t1 - t0);
-      ids += static_cast<double>(reader.batch(0).ids());
-    }
-    t.table_s.push_back(median(s));
-    t.table_ids.push_back(ids / batches);
+    const SparseTimes alone = time_sparse(reader, [](const std::vector<int64_t>&, bool) {});
+    t.table_s.push_back(median(alone.seconds));
+    t.table_ids.push_back(alone.ids / batches);
   }
   return t;
 }
