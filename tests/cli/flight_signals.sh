@@ -16,7 +16,7 @@ export OMPI_MCA_odls_base_sigkill_timeout=3
 fail() {
   echo "FAIL: $*" >&2
   # What the run said, so that a failure under load can be told from a wrong recorder.
-  [ -s "$dir/stderr" ] && { echo "the run's stderr (last lines):" >&2; tail -n 8 "$dir/stderr" >&2; }
+  [ -s "$dir/stderr" ] && { echo "the run's stderr (last lines):" >&2; tail -n 60 "$dir/stderr" >&2; }
   [ -n "${ranks:-}" ] && kill -KILL $ranks 2>/dev/null
   exit 1
 }
