@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "base/error.hpp"
+#include "framework/comm/column_blocks.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
@@ -237,19 +238,14 @@ MatrixView ShardedParameter::widen_landed(LayerScratch& scratch) {
 namespace {
 
 // The n gathered blocks [n][d1][d2 / n] of a 16-bit weight put in place as the matrix [d1, d2]
-// (block j holds columns [j d2 / n, (j + 1) d2 / n)). A free function: nvcc refuses a device
-// lambda inside a private member function.
+// (block j holds columns [j d2 / n, (j + 1) d2 / n)), checked to divide.
 void place_gathered_blocks_16bit(const uint16_t* landed, int64_t n, int64_t d1, int64_t d2,
                                  uint16_t* full) {
   const int64_t c = d2 / n;
   MESHTRAIN_REQUIRE(n >= 1 && c * n == d2, "place_gathered_blocks_16bit: ", d2, " columns are not ",
                     n, " equal column blocks");
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::place_gathered_16bit"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0}, {n, d1, c}),
-      KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
-        full[row * d2 + j * c + cc] = landed[(j * d1 + row) * c + cc];
-      });
+  place_column_blocks(landed, full, d2, n, d1, c,
+                      MESHTRAIN_LABEL("meshtrain::place_gathered_16bit"));
 }
 
 }  // namespace

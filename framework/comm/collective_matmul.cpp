@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "framework/comm/collective_matmul_16bit.hpp"
+#include "framework/comm/column_blocks.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/view_ops.hpp"
@@ -425,14 +426,9 @@ void gather_unpacked_naive(const GatherPlan& plan, const T* mine, Communicator& 
   gather_blocks(comm, mine, blocks, block, plan.wire);
   const int64_t rows = static_cast<int64_t>(plan.block_rows);
   const int64_t cols = static_cast<int64_t>(plan.block_cols);
-  const int64_t width = static_cast<int64_t>(n) * cols;
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::all_gather_matmul_unpack"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(device_space(), {0, 0}, {rows, width}),
-      KOKKOS_LAMBDA(const int64_t r, const int64_t col) {
-        const int64_t j = col / cols;
-        dense[r * width + col] = blocks[(j * rows + r) * cols + (col - j * cols)];
-      });
+  place_column_blocks(static_cast<const T*>(blocks), dense, static_cast<int64_t>(n) * cols,
+                      static_cast<int64_t>(n), rows, cols,
+                      MESHTRAIN_LABEL("meshtrain::all_gather_matmul_unpack"));
   fence_all(MESHTRAIN_LABEL("meshtrain::all_gather_matmul_unpack"));
   plan.multiply_piece(static_cast<const T*>(dense), 0, plan.block_rows, 0, n * plan.block_cols);
 }

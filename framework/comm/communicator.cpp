@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "framework/comm/column_blocks.hpp"
 #include "framework/comm/slot_pool.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/exec_space.hpp"
@@ -543,14 +544,9 @@ void place_gathered_columns(ConstVectorView blocks, MatrixView recv, int n) {
                         static_cast<int64_t>(blocks.extent(0)) == r * c * n,
                     "place_gathered_columns: ", blocks.extent(0), " floats are not ", n,
                     " blocks of the [", recv.extent(0), ", ", recv.extent(1) / n, "] columns");
-  // Over (block, row, column in block): both sides contiguous along the last index.
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::all_gather_unpack_dim1"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0},
-                                             {static_cast<int64_t>(n), r, c}),
-      KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
-        recv(row, j * c + cc) = blocks((j * r + row) * c + cc);
-      });
+  place_column_blocks(blocks.data(), recv.data(), static_cast<int64_t>(recv.stride(0)),
+                      static_cast<int64_t>(n), r, c,
+                      MESHTRAIN_LABEL("meshtrain::all_gather_unpack_dim1"));
   fence_device(MESHTRAIN_LABEL("meshtrain::place_gathered_columns"));
 }
 
@@ -715,23 +711,6 @@ void Communicator::reduce_scatter(ConstVectorView send, VectorView recv, Dtype w
                    description_, op);
   reduce_scatter_flat(send.data(), recv.data(), count, wire, op);
 }
-
-namespace {
-
-// Column block j of `from` ([rows, n * cols], rows `row_stride` elements apart) into block j of
-// the [n][rows][cols] staging `to`: a dim-1 reduce-scatter's blocks made contiguous, so that the
-// flat reduce-scatter hands rank j its block. Elements of any type: floats, or 16-bit bits.
-template <class T>
-void stage_column_blocks(const T* from, int64_t row_stride, T* to, int64_t n, int64_t rows,
-                         int64_t cols, const std::string& label) {
-  Kokkos::parallel_for(
-      label, Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0}, {n, rows, cols}),
-      KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
-        to[(j * rows + row) * cols + cc] = from[row * row_stride + j * cols + cc];
-      });
-}
-
-}  // namespace
 
 void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim, Dtype wire) {
   const char* op = "reduce_scatter";
